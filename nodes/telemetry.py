@@ -1,0 +1,245 @@
+"""Telemetry hub: the memory readout's data, pushed to the page only while a run is active.
+
+Lifecycle, driven by the model patches (never by a thread of our own):
+
+    TELEMETRY.run_started(run_id)     # one push ("start"), tracked stores cleared
+    TELEMETRY.track(name, store)      # a KVStore serving this run (held weakly)
+    TELEMETRY.step()                  # once per diffusion-model forward; pushes at most 4 times a second
+    TELEMETRY.run_finished(run_id)    # one final push ("final"), then idle: nothing is sent until next start
+
+`snapshot()` returns the latest payload (what `GET /kv_offload/stats` serves) and changes no state.
+The sender (ComfyUI's `PromptServer.instance.send_sync`, thread-safe) and the clock are injected, so the hub
+runs in tests without ComfyUI; this module never imports ComfyUI.
+
+Payload (version `v` = 1; every unknown value is `None`, never -1):
+    v, event ("start" | "step" | "final" | "idle"), time (unix seconds),
+    run {id, active, forwards, elapsed_s},
+    memory: `offload_core.memory_snapshot()` as is (it says which figures are this process, which the device),
+    stores: one entry per tracked store: its `stats()` plus bandwidth_bytes_per_s, passes,
+            exposed_wait_per_pass_s, scope="process",
+    totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+
+EVENT = "kv_offload.memory"
+PAYLOAD_VERSION = 1
+MIN_PUSH_INTERVAL_S = 0.25  # at most 4 pushes per second during a run
+BYTE_KEYS = ("device", "host_pinned", "host_pageable", "file")
+
+Sender = Callable[[str, dict], Any]
+
+
+def _default_memory_snapshot() -> dict:
+    from ..offload_core import memory_snapshot  # lazy: the engine imports torch
+
+    return memory_snapshot()
+
+
+def to_json(value: Any) -> Any:
+    """Plain JSON types only: enums to their value, tuples to lists, NaN/inf to None (JSON.parse rejects NaN)."""
+    if isinstance(value, enum.Enum):
+        return to_json(value.value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json(v) for v in value]
+    return str(value)
+
+
+def _ratio(num: Any, den: Any) -> Optional[float]:
+    if not isinstance(num, (int, float)) or not isinstance(den, (int, float)) or den <= 0:
+        return None
+    return num / den
+
+
+def derive_store(stats: dict) -> dict:
+    """A store's `stats()` plus the rates the readout shows.
+
+    bandwidth = transfer bytes / transfer seconds (None before the first timed transfer);
+    passes = gets / layers (how many times the store has served its whole prefix: one per cached step of
+    its branch); exposed wait per pass = exposed_wait_s / passes.
+    """
+    out = dict(stats)
+    transfers = stats.get("transfers") or {}
+    out["bandwidth_bytes_per_s"] = _ratio(transfers.get("bytes"), transfers.get("seconds"))
+    passes = _ratio(stats.get("gets"), stats.get("layers"))
+    out["passes"] = passes
+    out["exposed_wait_per_pass_s"] = _ratio(stats.get("exposed_wait_s"), passes) if passes else None
+    out["scope"] = "process"
+    return out
+
+
+def _sum_known(values: list) -> Optional[float]:
+    known = [v for v in values if isinstance(v, (int, float))]
+    return sum(known) if known else None
+
+
+def totals(stores: list, forwards: int) -> dict:
+    byte_totals = {key: _sum_known([(s.get("bytes") or {}).get(key) for s in stores]) for key in BYTE_KEYS}
+    wait = _sum_known([s.get("exposed_wait_s") for s in stores])
+    return {
+        "stores": len(stores),
+        "bytes": byte_totals,
+        "device_bytes": _sum_known([s.get("device_bytes") for s in stores]),
+        "exposed_wait_s": wait,
+        "exposed_wait_per_forward_s": _ratio(wait, forwards) if wait is not None else None,
+    }
+
+
+class TelemetryHub:
+    """Collects per-run KV store stats and memory figures; pushes them only while a run is active.
+
+    Thread-safety: `step()` runs on the sampling thread, `snapshot()` on the server's thread; one lock guards
+    the state. The payload is built under the lock but sent outside it, so a slow sender never blocks
+    `snapshot()`.
+    """
+
+    def __init__(self, send: Optional[Sender] = None, clock: Callable[[], float] = time.monotonic,
+                 memory: Callable[[], dict] = _default_memory_snapshot,
+                 min_interval_s: float = MIN_PUSH_INTERVAL_S) -> None:
+        self._send = send
+        self._clock = clock
+        self._memory = memory
+        self._min_interval_s = min_interval_s
+        self._lock = threading.Lock()
+        self._run_id: Optional[str] = None
+        self._started_at: Optional[float] = None
+        self._forwards = 0
+        self._last_push: Optional[float] = None
+        self._stores: dict = {}       # name -> weakref (or strong ref when the object refuses weakrefs)
+        self._last_stats: dict = {}   # name -> last stats() seen, kept when the store object is gone
+        self._latest: Optional[dict] = None
+
+    def set_sender(self, send: Optional[Sender]) -> None:
+        """Inject the push function (PromptServer.instance.send_sync); None sends nothing."""
+        self._send = send
+
+    @property
+    def active(self) -> bool:
+        return self._run_id is not None
+
+    def run_started(self, run_id: str) -> None:
+        with self._lock:
+            self._run_id = str(run_id)
+            self._started_at = self._clock()
+            self._forwards = 0
+            self._stores.clear()
+            self._last_stats.clear()
+            payload = self._build("start")
+        self._push(payload)
+
+    def track(self, name: str, store: Any) -> None:
+        """Show `store` (a KVStore serving the current run) in the readout until the run ends."""
+        with self._lock:
+            if self._run_id is None:
+                return
+            try:
+                ref = weakref.ref(store)
+            except TypeError:
+                ref = lambda s=store: s  # noqa: E731 - dropped at run end like the weak ones
+            self._stores[str(name)] = ref
+
+    def step(self) -> None:
+        """Count one forward; push a snapshot when at least `min_interval_s` passed since the last push."""
+        with self._lock:
+            if self._run_id is None:
+                return
+            self._forwards += 1
+            now = self._clock()
+            if self._last_push is not None and now - self._last_push < self._min_interval_s:
+                return
+            payload = self._build("step")
+        self._push(payload)
+
+    def run_finished(self, run_id: Optional[str] = None) -> None:
+        """Push one final snapshot of the run and go idle. A finish for another run id is ignored."""
+        with self._lock:
+            if self._run_id is None or (run_id is not None and str(run_id) != self._run_id):
+                return
+            payload = self._build("final")
+            self._run_id = None
+            self._started_at = None
+            self._stores.clear()
+            self._last_stats.clear()
+            self._last_push = None
+        self._push(payload)
+
+    def snapshot(self) -> dict:
+        """The latest pushed payload; before any run, a fresh idle one (not stored, nothing sent)."""
+        with self._lock:
+            if self._latest is not None:
+                return self._latest
+            return to_json(self._payload("idle"))
+
+    # -- internals (call with the lock held) --
+
+    def _collect_stores(self) -> list:
+        out = []
+        for name, ref in self._stores.items():
+            store = ref()
+            if store is not None:
+                try:
+                    stats = dict(store.stats())
+                except Exception:  # a store torn down mid-call: keep its last figures
+                    log.debug("stats() of KV store %r failed", name, exc_info=True)
+                    stats = self._last_stats.get(name)
+                if stats is not None:
+                    stats.setdefault("name", name)
+                    self._last_stats[name] = stats
+            else:
+                stats = self._last_stats.get(name)
+            if stats is not None:
+                out.append(derive_store(stats))
+        return out
+
+    def _payload(self, event: str) -> dict:
+        try:
+            memory = self._memory()
+        except Exception:
+            log.debug("memory snapshot failed", exc_info=True)
+            memory = None
+        stores = self._collect_stores()
+        elapsed = self._clock() - self._started_at if self._started_at is not None else None
+        return {
+            "v": PAYLOAD_VERSION,
+            "event": event,
+            "time": time.time(),
+            "run": {"id": self._run_id, "active": event in ("start", "step"),
+                    "forwards": self._forwards if self._run_id else None, "elapsed_s": elapsed},
+            "memory": memory,
+            "stores": stores,
+            "totals": totals(stores, self._forwards),
+        }
+
+    def _build(self, event: str) -> dict:
+        payload = to_json(self._payload(event))
+        self._latest = payload
+        self._last_push = self._clock()
+        return payload
+
+    def _push(self, payload: dict) -> None:
+        send = self._send
+        if send is None:
+            return
+        try:
+            send(EVENT, payload)
+        except Exception:  # the readout must never break sampling
+            log.warning("could not push %s", EVENT, exc_info=True)
+
+
+TELEMETRY = TelemetryHub()
