@@ -1,0 +1,14 @@
+"""KV Offload engine: keep a prefix KV cache on the device, in host RAM or in files, layer by layer.
+
+    from offload_core import OffloadConfig, Mode, KVStore, memory_snapshot
+
+No ComfyUI imports here, ever; diffusers only inside `offload_core.diffusers`.
+"""
+
+from .config import HostServices, Mode, OffloadConfig
+from .memory import memory_snapshot
+from .store import KVStore
+from .tiers import KVFileError
+
+__all__ = ["HostServices", "KVFileError", "KVStore", "Mode", "OffloadConfig", "memory_snapshot"]
+__version__ = "0.1.0"

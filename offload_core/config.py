@@ -1,0 +1,181 @@
+"""The one configuration object of the engine, validated once before anything is allocated.
+
+`OffloadConfig` is a frozen dataclass; `Mode` is a `str` Enum so every mode also works as a plain string.
+Every bad value or meaningless combination raises `ValueError` naming the option, the value, the rule and
+the fix. Host services (free-memory queries, pinning, streams, temp dir) are not configuration: they enter
+through `HostServices`, as plain callables.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+MAX_PREFETCH_DEPTH = 8  # more layers in flight only re-creates the device cache we are trying to avoid
+
+
+class Mode(str, enum.Enum):
+    AUTO = "auto"
+    OFF = "off"
+    GPU = "gpu"
+    RAM_SYNC = "ram_sync"
+    RAM_ASYNC = "ram_async"
+    FILE_SYNC = "file_sync"
+    FILE_ASYNC = "file_async"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_async(self) -> bool:
+        return self in (Mode.RAM_ASYNC, Mode.FILE_ASYNC)
+
+    @property
+    def is_file(self) -> bool:
+        return self in (Mode.FILE_SYNC, Mode.FILE_ASYNC)
+
+    @property
+    def is_ram(self) -> bool:
+        return self in (Mode.RAM_SYNC, Mode.RAM_ASYNC)
+
+    @classmethod
+    def parse(cls, value: "Mode | str") -> "Mode":
+        if isinstance(value, Mode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"`mode` must be one of {choices}; got {value!r}. Pick one of those names.")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What to do with a prefix KV cache.
+
+    Args:
+        mode: where the cache lives between uses (see `Mode`); `auto` picks from free memory at first `put`.
+        prefetch_depth: layers copied ahead of the consumer (async tiers only; default 1, at most 8).
+        file_dir: existing writable directory for the file tiers; default a fresh private temp directory
+            that is deleted on close.
+        bypass_page_cache: file tiers only (default True): read with O_DIRECT where the filesystem allows it,
+            else drop written and read pages with posix_fadvise, so the file tier really saves RAM.
+        pin_budget: bytes of page-locked host memory this store may pin (async tiers only); default: the host
+            service's budget, else a quarter of the RAM available when the store is created.
+    """
+
+    mode: "Mode | str" = Mode.AUTO
+    prefetch_depth: Optional[int] = None
+    file_dir: Optional[str] = None
+    bypass_page_cache: Optional[bool] = None
+    pin_budget: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        mode = Mode.parse(self.mode)
+        object.__setattr__(self, "mode", mode)
+        _check_prefetch_depth(mode, self.prefetch_depth)
+        _check_file_options(mode, self.file_dir, self.bypass_page_cache)
+        _check_pin_budget(mode, self.pin_budget)
+
+    @property
+    def depth(self) -> int:
+        """Layers in flight ahead of the consumer; 0 for the tiers that never prefetch."""
+        if self.prefetch_depth is not None:
+            return self.prefetch_depth
+        return 1 if self.mode in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO) else 0
+
+    @property
+    def bypass(self) -> bool:
+        return True if self.bypass_page_cache is None else self.bypass_page_cache
+
+
+def _check_prefetch_depth(mode: Mode, depth: Optional[int]) -> None:
+    if depth is None:
+        return
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise ValueError(f"`prefetch_depth` must be an int; got {depth!r} ({type(depth).__name__}). Pass e.g. 1.")
+    if mode not in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO):
+        raise ValueError(
+            f"`prefetch_depth` only applies to the async tiers ('ram_async', 'file_async') and 'auto'; got "
+            f"prefetch_depth={depth} with mode {mode.value!r}. Remove it, or pick an async mode."
+        )
+    if not 1 <= depth <= MAX_PREFETCH_DEPTH:
+        raise ValueError(
+            f"`prefetch_depth` must be between 1 and {MAX_PREFETCH_DEPTH} for mode {mode.value!r}; got {depth}. "
+            "1 hides a transfer behind one layer of compute; deeper only holds more of the cache on the device."
+        )
+
+
+def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool]) -> None:
+    file_like = mode.is_file or mode is Mode.AUTO
+    if bypass is not None:
+        if not isinstance(bypass, bool):
+            raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")
+        if not file_like:
+            raise ValueError(
+                f"`bypass_page_cache` only applies to the file tiers; got bypass_page_cache={bypass} with mode "
+                f"{mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
+            )
+    if file_dir is None:
+        return
+    if not file_like:
+        raise ValueError(
+            f"`file_dir` only applies to the file tiers; got file_dir={file_dir!r} with mode {mode.value!r}. "
+            "Remove it, or pick 'file_sync' / 'file_async'."
+        )
+    if not isinstance(file_dir, (str, os.PathLike)):
+        raise ValueError(f"`file_dir` must be a path; got {file_dir!r}.")
+    path = os.fspath(file_dir)
+    if not os.path.isdir(path):
+        what = "a file" if os.path.exists(path) else "missing"
+        raise ValueError(
+            f"`file_dir` must be an existing directory; got {path!r}, which is {what}. "
+            "Create the directory first, or pass file_dir=None for a private temp dir."
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"`file_dir` must be writable; got {path!r}, which this process cannot write to. "
+            "Pick a writable directory, or pass file_dir=None for a private temp dir."
+        )
+
+
+def _check_pin_budget(mode: Mode, budget: Optional[int]) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"`pin_budget` must be a number of bytes >= 0; got {budget!r}. Pass e.g. 8 << 30.")
+    if mode not in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO):
+        raise ValueError(
+            f"`pin_budget` only applies to the async tiers; got pin_budget={budget} with mode {mode.value!r}. "
+            "Remove it, or pick 'ram_async' / 'file_async'."
+        )
+
+
+@dataclass(frozen=True)
+class HostServices:
+    """Services of the host application (ComfyUI, a server) the engine cooperates with; all optional.
+
+    free_device_memory(device) -> bytes free for new tensors on `device` (None: unknown).
+    free_host_memory() -> bytes of RAM available (None: unknown).
+    pin(tensor) -> bool: page-lock an existing CPU tensor in place within the host's budget; False: refused.
+    unpin(tensor): undo `pin`. Called once for every tensor `pin` accepted, before it is freed.
+    stream(device) -> a side stream for copies (None: the engine creates its own).
+    temp_dir() -> directory under which a file tier creates its private temp directory.
+    """
+
+    free_device_memory: Optional[Callable[[torch.device], Optional[int]]] = None
+    free_host_memory: Optional[Callable[[], Optional[int]]] = None
+    pin: Optional[Callable[[torch.Tensor], bool]] = None
+    unpin: Optional[Callable[[torch.Tensor], object]] = None
+    stream: Optional[Callable[[torch.device], object]] = None
+    temp_dir: Optional[Callable[[], str]] = None
+
+    def __post_init__(self) -> None:
+        if (self.pin is None) != (self.unpin is None):
+            raise ValueError("HostServices: `pin` and `unpin` come as a pair; got only one of them. Pass both or neither.")

@@ -1,0 +1,86 @@
+"""`enable_kv_offload` / `disable_kv_offload` for diffusers pipelines with a prefix KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import diffusers
+
+from .. import HostServices, Mode
+from . import flux2, qwenimage21
+from .session import OffloadSession, make_config, session_of
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DIFFUSERS = "0.42"
+
+
+def check_diffusers_version(version: str) -> None:
+    """Refuse diffusers versions whose cache internals this adapter was not written against."""
+    parts = version.split(".")
+    if ".".join(parts[:2]) != SUPPORTED_DIFFUSERS:
+        raise RuntimeError(
+            f"offload_core.diffusers supports diffusers {SUPPORTED_DIFFUSERS}.x (it hooks the KV-cache classes of "
+            f"that release); found diffusers {version}. Install it with `pip install 'diffusers~={SUPPORTED_DIFFUSERS}.1'`."
+        )
+
+
+def _kind_of(pipe) -> str:
+    from diffusers import Flux2KleinKVPipeline, QwenImage21Pipeline
+    from diffusers.modular_pipelines.qwenimage21 import QwenImage21ModularPipeline
+
+    if isinstance(pipe, (QwenImage21Pipeline, QwenImage21ModularPipeline)):
+        return "qwenimage21"
+    if isinstance(pipe, Flux2KleinKVPipeline):
+        return "flux2"
+    raise TypeError(
+        f"enable_kv_offload supports QwenImage21Pipeline, the modular Qwen-Image 2.1 pipeline and "
+        f"Flux2KleinKVPipeline; got {type(pipe).__name__}. Other pipelines have no prefix KV cache to offload."
+    )
+
+
+def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None,
+                      **config_fields) -> OffloadSession:
+    """Keep the pipeline's prefix K/V cache in `mode`'s tier and bring each layer back when it is needed.
+
+    Args:
+        pipe: a `QwenImage21Pipeline`, a modular Qwen-Image 2.1 pipeline or a `Flux2KleinKVPipeline`.
+        mode: any `Mode` value; `"gpu"` keeps today's placement but frees the cache before the VAE decodes.
+            `"off"` recomputes the prefix every step (Qwen-Image 2.1 only).
+        host: optional host services (pin budget, side stream, free-memory queries, temp dir).
+        **config_fields: the other `OffloadConfig` fields (`prefetch_depth`, `file_dir`, `bypass_page_cache`,
+            `pin_budget`), validated before the pipeline is touched.
+
+    Returns:
+        The session; `session.last_stats` holds each store's `stats()` of the last finished call.
+    Calling it again replaces the previous settings. Undo with `disable_kv_offload(pipe)`.
+    """
+    check_diffusers_version(diffusers.__version__)
+    kind = _kind_of(pipe)
+    config = make_config(mode, config_fields)
+    if kind == "flux2" and config.mode is Mode.OFF:
+        raise ValueError(
+            "`mode` 'off' is not available for Flux2KleinKVPipeline: after step 0 the pipeline no longer passes "
+            "the reference tokens, so they cannot be recomputed. Use 'gpu' (or an offload mode), or run "
+            "Flux2KleinPipeline for an uncached baseline."
+        )
+    transformer = getattr(pipe, "transformer", None)
+    if transformer is None:
+        raise ValueError("enable_kv_offload needs the pipeline's `transformer`; load it first, then enable.")
+    if session_of(pipe) is not None:
+        disable_kv_offload(pipe)
+
+    session = OffloadSession(pipe, config, host)
+    (qwenimage21 if kind == "qwenimage21" else flux2).install(session, transformer)
+    session.attach()
+    logger.info("KV offload enabled on %s: mode=%s", type(pipe).__name__, config.mode.value)
+    return session
+
+
+def disable_kv_offload(pipe) -> None:
+    """Close any live store, remove every hook and guard, and give the pipeline back as it was. Idempotent."""
+    session = session_of(pipe)
+    if session is None:
+        return
+    session.detach()
+    logger.info("KV offload disabled on %s", type(pipe).__name__)

@@ -1,0 +1,192 @@
+"""Request lifetime of the offloaded caches of one pipeline.
+
+A session belongs to one pipeline. Each call of the pipeline is one request; every store opened during it
+(one per CFG branch) is closed
+
+- just before the VAE decodes (normal completion and interruption: the loop has ended), and
+- when the call returns or raises (output_type="latent", exceptions inside the denoising loop),
+
+so no store — device buffers, pinned host memory, files — outlives the denoising loop, in any mode.
+
+The call guard is a subclass of the pipeline's own class, made once per class and put on the instance
+(`pipe.__class__`); the decode guard is an instance attribute on the VAE. Both are removed by `detach()`.
+Nothing in diffusers is edited and no other instance is touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import torch
+
+from .. import HostServices, KVStore, Mode, OffloadConfig
+
+logger = logging.getLogger(__name__)
+
+_SESSION_ATTR = "_kv_offload_session"
+_GUARDED_CLASSES: dict[type, type] = {}
+_GUARDED_LOCK = threading.Lock()
+
+
+class OffloadSession:
+    """Opens stores on demand during a request and closes them all at its end.
+
+    Attributes:
+        config: the validated `OffloadConfig` every store of this pipeline is built with.
+        last_stats: `stats()` of every store of the last finished request, captured just before closing.
+    """
+
+    def __init__(self, pipe, config: OffloadConfig, host: HostServices | None):
+        self.pipe = pipe
+        self.config = config
+        self.host = host
+        self.last_stats: list[dict] = []
+        self._live: list[KVStore] = []
+        self._bindings: dict[int, tuple[object, object]] = {}  # id(upstream cache) -> (upstream, ours)
+        self._requests = 0
+        self._hooks: list = []
+        self._decode_owner = None
+
+    # -- stores --------------------------------------------------------------------------------------------
+    def open_store(self, device: torch.device, expected_bytes: int | None) -> KVStore:
+        """A new store for one branch of the current request; closed by `end_request()`."""
+        name = ("cond", "uncond")[len(self._live)] if len(self._live) < 2 else f"branch{len(self._live)}"
+        store = KVStore(self.config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+        self._live.append(store)
+        return store
+
+    def bind(self, upstream, ours) -> None:
+        """Remember that the pipeline's cache object `upstream` is served by our cache `ours` this request."""
+        self._bindings[id(upstream)] = (upstream, ours)
+
+    def bound(self, upstream):
+        entry = self._bindings.get(id(upstream))
+        return entry[1] if entry is not None and entry[0] is upstream else None
+
+    @property
+    def live_stores(self) -> list[KVStore]:
+        return [s for s in self._live if not s.closed]
+
+    def end_request(self) -> None:
+        """Close every store of the current request. Idempotent; safe to call from `finally` blocks."""
+        if not self._live:
+            self._bindings.clear()
+            return
+        stores, self._live = self._live, []
+        self._bindings.clear()
+        stats, errors = [], []
+        for store in stores:
+            try:
+                stats.append(store.stats())
+            finally:
+                try:
+                    store.close()
+                except Exception as exc:  # close every store even if one fails; re-raise the first
+                    errors.append(exc)
+        self.last_stats = stats
+        self._requests += 1
+        _log_summary(stats)
+        if errors:
+            raise errors[0]
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def add_hook(self, handle) -> None:
+        self._hooks.append(handle)
+
+    def attach(self) -> None:
+        """Install the call guard on the pipeline and the decode guard on its VAE."""
+        pipe = self.pipe
+        object.__setattr__(pipe, _SESSION_ATTR, self)
+        object.__setattr__(pipe, "__class__", _guarded_class(type(pipe)))
+        vae = getattr(pipe, "vae", None)
+        if vae is not None:
+            _guard_decode(vae, self)
+            self._decode_owner = vae
+
+    def detach(self) -> None:
+        """Undo `attach()` and every registered hook; closes live stores first."""
+        try:
+            self.end_request()
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+            if self._decode_owner is not None:
+                _unguard_decode(self._decode_owner, self)
+                self._decode_owner = None
+            pipe = self.pipe
+            object.__setattr__(pipe, "__class__", type(pipe)._kv_offload_base)
+            object.__delattr__(pipe, _SESSION_ATTR)
+
+
+def session_of(pipe) -> OffloadSession | None:
+    return pipe.__dict__.get(_SESSION_ATTR)
+
+
+def _guarded_class(cls: type) -> type:
+    """A subclass of `cls` whose `__call__` closes the request's stores however the call ends."""
+    with _GUARDED_LOCK:
+        guarded = _GUARDED_CLASSES.get(cls)
+        if guarded is not None:
+            return guarded
+
+        @functools.wraps(cls.__call__)
+        def __call__(self, *args, **kwargs):
+            session = session_of(self)
+            try:
+                return cls.__call__(self, *args, **kwargs)
+            finally:
+                if session is not None:
+                    session.end_request()
+
+        namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                     "__doc__": cls.__doc__, "_kv_offload_base": cls}
+        guarded = type(cls.__name__, (cls,), namespace)
+        _GUARDED_CLASSES[cls] = guarded
+        return guarded
+
+
+def _guard_decode(vae, session: OffloadSession) -> None:
+    # An instance attribute shadows the class's `decode` for this VAE only; `del` restores it. The previous
+    # instance attribute, if any (another pack's wrapper), is kept and called through.
+    inner = vae.__dict__.get("decode")
+    bound = inner if inner is not None else vae.decode
+
+    @functools.wraps(bound)
+    def decode(*args, **kwargs):
+        # The denoising loop is over once the latents reach the VAE: drop the K/V before decode allocates.
+        session.end_request()
+        return bound(*args, **kwargs)
+
+    decode._kv_offload_previous = inner
+    decode._kv_offload_session = session
+    object.__setattr__(vae, "decode", decode)
+
+
+def _unguard_decode(vae, session: OffloadSession) -> None:
+    current = vae.__dict__.get("decode")
+    if current is None or getattr(current, "_kv_offload_session", None) is not session:
+        logger.warning("The VAE's decode was re-wrapped after KV offload was enabled; leaving it in place.")
+        return
+    previous = current._kv_offload_previous
+    if previous is None:
+        object.__delattr__(vae, "decode")
+    else:
+        object.__setattr__(vae, "decode", previous)
+
+
+def _log_summary(stats: list[dict]) -> None:
+    if not stats:
+        return
+    total = sum(sum(s["bytes"].values()) for s in stats)
+    wait = sum(s["exposed_wait_s"] for s in stats)
+    tiers = ", ".join(f"{s['name']}={s['tier']}" for s in stats)
+    logger.info("KV offload: %d cache(s) closed (%s), %.1f MiB, exposed wait %.3f s",
+                len(stats), tiers, total / 2**20, wait)
+
+
+def make_config(mode: Mode | str, config_fields: dict) -> OffloadConfig:
+    """Build and validate the config before anything is patched."""
+    return OffloadConfig(mode=mode, **config_fields)

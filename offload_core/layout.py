@@ -1,0 +1,99 @@
+"""How one layer's K and V sit in a flat byte buffer, and the safetensors header that describes it.
+
+The same layout is used on the device (ring slots), in host RAM and on disk, so every copy between tiers is
+one contiguous copy of `data_bytes`. K and V start on 4 KiB boundaries; on disk the header is padded with
+spaces (allowed by the safetensors format) so the data starts on a 4 KiB boundary too, and explicit `U8`
+padding entries keep the file fully indexed, as safetensors readers require.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+ALIGN = 4096
+NAMES = ("k", "v")
+
+_DTYPES: Dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    offset: int  # from the start of the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    k: TensorSpec
+    v: TensorSpec
+    data_bytes: int  # both tensors with alignment, a multiple of ALIGN
+
+    @property
+    def specs(self) -> Tuple[TensorSpec, TensorSpec]:
+        return (self.k, self.v)
+
+
+def layout_for(k: torch.Tensor, v: torch.Tensor) -> LayerLayout:
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"KVStore.put: `{name}` has dtype {t.dtype}, which the store cannot hold; "
+                            f"supported: {', '.join(str(d) for d in _DTYPES)}.")
+    k_bytes = k.numel() * k.element_size()
+    v_bytes = v.numel() * v.element_size()
+    v_off = _align(k_bytes)
+    return LayerLayout(
+        TensorSpec(k.dtype, tuple(k.shape), 0, k_bytes),
+        TensorSpec(v.dtype, tuple(v.shape), v_off, v_bytes),
+        _align(v_off + v_bytes),
+    )
+
+
+def views(flat: torch.Tensor, layout: LayerLayout, base: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K and V as views into the uint8 buffer `flat`, whose data section starts at byte `base`."""
+    out = []
+    for spec in layout.specs:
+        start = base + spec.offset
+        out.append(flat[start:start + spec.nbytes].view(spec.dtype).view(spec.shape))
+    return out[0], out[1]
+
+
+def copy_in(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:
+    """Copies `k` and `v` into their places in `flat` (any device to any device)."""
+    dst_k, dst_v = views(flat, layout)
+    dst_k.copy_(k, non_blocking=non_blocking)
+    dst_v.copy_(v, non_blocking=non_blocking)
+
+
+def safetensors_header(layout: LayerLayout, metadata: Dict[str, str]) -> bytes:
+    """The 8-byte length plus JSON header, padded so the data section starts on a 4 KiB boundary."""
+    entries: Dict[str, object] = {"__metadata__": metadata}
+    end = 0
+    for name, spec in zip(NAMES, layout.specs):
+        if spec.offset > end:
+            entries[f"_pad_{name}"] = {"dtype": "U8", "shape": [spec.offset - end], "data_offsets": [end, spec.offset]}
+        end = spec.offset + spec.nbytes
+        entries[name] = {"dtype": _DTYPES[spec.dtype], "shape": list(spec.shape), "data_offsets": [spec.offset, end]}
+    if layout.data_bytes > end:
+        entries["_pad_end"] = {"dtype": "U8", "shape": [layout.data_bytes - end], "data_offsets": [end, layout.data_bytes]}
+    body = json.dumps(entries, separators=(",", ":")).encode()
+    total = _align(8 + len(body))
+    body = body + b" " * (total - 8 - len(body))
+    return struct.pack("<Q", len(body)) + body

@@ -1,0 +1,94 @@
+"""Counters of one store and the host facts `auto` and the pin budget are decided from."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import psutil
+import torch
+
+from .config import HostServices
+
+STATS_VERSION = 1
+
+
+def free_device_memory(device: torch.device, host: HostServices) -> Optional[int]:
+    if host.free_device_memory is not None:
+        return host.free_device_memory(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return None
+
+
+def free_host_memory(host: HostServices) -> Optional[int]:
+    if host.free_host_memory is not None:
+        return host.free_host_memory()
+    return int(psutil.virtual_memory().available)
+
+
+def default_pin_budget(host: HostServices) -> int:
+    """A quarter of available RAM: page-locked memory cannot be swapped, so we never take most of it."""
+    return (free_host_memory(host) or 0) // 4
+
+
+class StoreStats:
+    """Running counters of one store; `as_dict` turns them into the plain dict of `KVStore.stats()`."""
+
+    def __init__(self) -> None:
+        self.device_bytes = 0
+        self.peak_device_bytes = 0
+        self.resident_layers = 0
+        self.peak_resident_layers = 0
+        self.transfers = 0
+        self.transfer_bytes = 0
+        self.gets = 0
+
+    def add_device(self, nbytes: int, layers: int) -> None:
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+        if layers:
+            self.set_resident(self.resident_layers + layers)
+
+    def set_resident(self, layers: int) -> None:
+        self.resident_layers = layers
+        self.peak_resident_layers = max(self.peak_resident_layers, layers)
+
+    def count_transfer(self, nbytes: int) -> None:
+        self.transfers += 1
+        self.transfer_bytes += nbytes
+
+    def summary(self, streams) -> str:
+        return (f"{self.transfers} loads, {self.transfer_bytes / 2**20:.1f} MiB, peak {self.peak_resident_layers} "
+                f"layers / {self.peak_device_bytes / 2**20:.1f} MiB on the device, exposed wait "
+                f"{streams.seconds['wait'] * 1000:.1f} ms")
+
+    def as_dict(self, store, layers: int, tier_bytes: Dict[str, int], info: Dict[str, object], streams,
+                fallback: Optional[str]) -> dict:
+        places = {"device": 0, "host_pinned": 0, "host_pageable": 0, "file": 0}
+        for place, n in tier_bytes.items():
+            places[place] += n
+        places["device"] = max(places["device"], self.device_bytes)
+        seconds = streams.seconds if streams is not None else {"transfer": 0.0, "wait": 0.0}
+        return {
+            "v": STATS_VERSION,
+            "name": store.name,
+            "device": str(store.device),
+            "requested": store.requested.value,
+            "tier": store.mode.value if store.mode is not None else None,
+            "reason": store.reason,
+            "layers": layers,
+            "bytes": places,
+            "device_bytes": self.device_bytes,
+            "peak_device_bytes": self.peak_device_bytes,
+            "resident_layers": self.resident_layers,
+            "peak_resident_layers": self.peak_resident_layers,
+            "prefetch_depth": getattr(store, "depth", None),
+            "transfers": {"count": self.transfers, "bytes": self.transfer_bytes, "seconds": seconds["transfer"]},
+            "exposed_wait_s": seconds["wait"],
+            "gets": self.gets,
+            "page_cache": info.get("page_cache"),
+            "file_dir": info.get("file_dir"),
+            "pinned_fallback": fallback is not None,
+            "pinned_fallback_reason": fallback,
+            "closed": store.closed,
+        }

@@ -1,0 +1,9 @@
+"""Storage tiers behind one small protocol (`base.Tier`): device, host RAM, files."""
+
+from .base import Pending, Tier, TierContext
+from .device import DeviceTier
+from .file import FileTier
+from .fileio import KVFileError
+from .ram import RamTier
+
+__all__ = ["DeviceTier", "FileTier", "KVFileError", "Pending", "RamTier", "Tier", "TierContext"]

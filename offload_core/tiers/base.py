@@ -1,0 +1,88 @@
+"""The protocol every storage tier implements, and what a tier is given to do its work.
+
+A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store.py`) decides
+*what* to load and *when*. Capabilities are flags (`on_device`), not `isinstance` checks.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Dict, Hashable, Optional, Tuple
+
+import torch
+
+from ..devices import DONE, Fence, Streams
+from ..hostmem import HostAllocator
+from ..layout import LayerLayout
+
+TRANSFER_TIMEOUT_S = 600.0  # a load that has not finished by then is a hang, not a slow disk
+
+
+@dataclass
+class TierContext:
+    device: torch.device
+    streams: Streams
+    allocator: HostAllocator
+    depth: int  # layers in flight ahead of the consumer (0: synchronous tier)
+
+
+class Pending:
+    """A load in progress: an optional host-side future (file reads) that yields the device-side fence."""
+
+    __slots__ = ("_fence", "_future")
+
+    def __init__(self, fence: Fence = DONE, future: Optional[Future] = None):
+        self._fence, self._future = fence, future
+
+    def wait(self, stream) -> None:
+        """Blocks the host until the data is queued, then orders `stream` after the copy (no host sync)."""
+        if self._future is not None:
+            self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+            self._future = None
+        self._fence.make_wait(stream)
+
+    def settle(self) -> None:
+        """Waits for the load to finish completely, swallowing its error (used when cancelling)."""
+        try:
+            if self._future is not None:
+                self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+                self._future = None
+            self._fence.synchronize()
+        except Exception:
+            pass
+
+
+class Tier:
+    """Where a store keeps its layers between uses.
+
+    store(key, k, v, layout): called once per layer; takes a private copy of `k` and `v` (which live on the
+        consuming device) before returning or, for asynchronous copies, before any later work on the current
+        stream can change them.
+    load(key, slot, release) -> Pending: copies the layer into the device buffer `slot` (uint8, laid out as
+        `layout`), not before `release` (the consumer finished with what the slot held before).
+    view(key) -> (k, v): only for `on_device` tiers, which need no slots.
+    nbytes() -> bytes held, by place: {"device", "host_pinned", "host_pageable", "file"}.
+    close(): waits for or cancels its own background work, then frees everything. Idempotent.
+    """
+
+    name = "base"
+    on_device = False
+
+    def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
+        raise NotImplementedError
+
+    def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
+        raise NotImplementedError
+
+    def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def nbytes(self) -> Dict[str, int]:
+        raise NotImplementedError
+
+    def info(self) -> Dict[str, object]:
+        return {}
+
+    def close(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,77 @@
+"""`ram_sync` / `ram_async` tiers: the cache lives in host RAM, one page-aligned buffer per layer.
+
+Synchronous (`ram_sync`, and every copy when the device is not CUDA): blocking copies on the current stream.
+Asynchronous (`ram_async` on CUDA): buffers are pinned within the budget; device->host and host->device copies
+run on the store's side stream, ordered by events, so the consumer's stream never waits on the host.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Deque, Dict, Hashable, Tuple
+
+import torch
+
+from ..devices import Fence
+from ..hostmem import HostBuffer
+from ..layout import LayerLayout, copy_in
+from .base import Pending, Tier, TierContext
+
+
+class RamTier(Tier):
+    name = "host"
+
+    def __init__(self, ctx: TierContext):
+        self._ctx = ctx
+        self._layers: Dict[Hashable, Tuple[HostBuffer, LayerLayout]] = {}
+        self._offloads: Deque[Fence] = deque()  # device->host copies still running, oldest first
+
+    def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
+        ctx = self._ctx
+        buf = ctx.allocator.alloc(layout.data_bytes)
+        side = ctx.streams.side
+        if side is None or k.device.type != "cuda":
+            with ctx.streams.timed("transfer"):
+                copy_in(buf.tensor, layout, k, v)  # blocking: the private copy exists when this returns
+            self._layers[key] = (buf, layout)
+            return
+        # Snapshot on the producer's stream first (a device-to-device copy, ~100x faster than the link): later
+        # kernels on that stream may overwrite `k`/`v`, and they are not ordered after our side stream.
+        snap = torch.empty(layout.data_bytes, dtype=torch.uint8, device=k.device)
+        copy_in(snap, layout, k, v)
+        self._bound_offloads(ctx.depth + 1)
+        ctx.streams.record().make_wait(side)  # the side stream must not read `snap` before it is written
+        with ctx.streams.on_side(), ctx.streams.timed("transfer", side):
+            buf.tensor.copy_(snap, non_blocking=buf.pinned)
+        # `snap` is freed by Python below while the copy may still run: record_stream on the stream that reads
+        # it keeps the caching allocator from handing its memory out before that copy has finished.
+        snap.record_stream(side)
+        self._offloads.append(ctx.streams.record(side))
+        self._layers[key] = (buf, layout)
+
+    def _bound_offloads(self, limit: int) -> None:
+        """Keeps at most `limit` snapshots in flight, so offloading never holds the whole cache on the device."""
+        while self._offloads and (len(self._offloads) >= limit or self._offloads[0].done()):
+            self._offloads.popleft().synchronize()
+
+    def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
+        ctx = self._ctx
+        buf, layout = self._layers[key]
+        side = ctx.streams.side
+        with ctx.streams.on_side():
+            release.make_wait(side)  # no-op without a side stream: the current stream is already in order
+            with ctx.streams.timed("transfer", side):
+                slot[:layout.data_bytes].copy_(buf.tensor, non_blocking=buf.pinned and side is not None)
+            return Pending(ctx.streams.record(side))
+
+    def nbytes(self) -> Dict[str, int]:
+        pinned = sum(b.nbytes for b, _ in self._layers.values() if b.pinned)
+        pageable = sum(b.nbytes for b, _ in self._layers.values() if not b.pinned)
+        return {"host_pinned": pinned, "host_pageable": pageable}
+
+    def close(self) -> None:
+        # Every copy touching our buffers is on the side stream; the store synchronized it before calling us.
+        self._offloads.clear()
+        for buf, _ in self._layers.values():
+            self._ctx.allocator.free(buf)
+        self._layers.clear()
