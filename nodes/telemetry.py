@@ -40,10 +40,10 @@ BYTE_KEYS = ("device", "host_pinned", "host_pageable", "file")
 Sender = Callable[[str, dict], Any]
 
 
-def _default_memory_snapshot() -> dict:
+def _default_memory_snapshot(device=None) -> dict:
     from ..offload_core import memory_snapshot  # lazy: the engine imports torch
 
-    return memory_snapshot()
+    return memory_snapshot(device)
 
 
 def to_json(value: Any) -> Any:
@@ -71,10 +71,12 @@ def derive_store(stats: dict) -> dict:
     """A store's `stats()` plus the rates the readout shows.
 
     bandwidth = transfer bytes / transfer seconds (None before the first timed transfer);
+    bytes_while_open = the store's `bytes` when it was last seen open (a closed store holds nothing);
     passes = gets / layers (how many times the store has served its whole prefix: one per cached step of
     its branch); exposed wait per pass = exposed_wait_s / passes.
     """
     out = dict(stats)
+    out.setdefault("bytes_while_open", None)
     transfers = stats.get("transfers") or {}
     out["bandwidth_bytes_per_s"] = _ratio(transfers.get("bytes"), transfers.get("seconds"))
     passes = _ratio(stats.get("gets"), stats.get("layers"))
@@ -110,7 +112,7 @@ class TelemetryHub:
     """
 
     def __init__(self, send: Optional[Sender] = None, clock: Callable[[], float] = time.monotonic,
-                 memory: Callable[[], dict] = _default_memory_snapshot,
+                 memory: Callable[..., dict] = _default_memory_snapshot,
                  min_interval_s: float = MIN_PUSH_INTERVAL_S) -> None:
         self._send = send
         self._clock = clock
@@ -124,6 +126,11 @@ class TelemetryHub:
         self._stores: dict = {}       # name -> weakref (or strong ref when the object refuses weakrefs)
         self._last_stats: dict = {}   # name -> last stats() seen, kept when the store object is gone
         self._latest: Optional[dict] = None
+        self._device = None           # the host's compute device; None: the engine's default
+
+    def set_device(self, device) -> None:
+        """Report memory of `device` (e.g. ComfyUI's torch device) when no tracked store names one."""
+        self._device = device
 
     def set_sender(self, send: Optional[Sender]) -> None:
         """Inject the push function (PromptServer.instance.send_sync); None sends nothing."""
@@ -162,6 +169,9 @@ class TelemetryHub:
             self._forwards += 1
             now = self._clock()
             if self._last_push is not None and now - self._last_push < self._min_interval_s:
+                # Refresh the stores' figures anyway: they may be closed and gone before the final push.
+                for name, ref in self._stores.items():
+                    self._store_stats(name, ref)
                 return
             payload = self._build("step")
         self._push(payload)
@@ -189,31 +199,38 @@ class TelemetryHub:
     # -- internals (call with the lock held) --
 
     def _collect_stores(self) -> list:
-        out = []
-        for name, ref in self._stores.items():
-            store = ref()
-            if store is not None:
-                try:
-                    stats = dict(store.stats())
-                except Exception:  # a store torn down mid-call: keep its last figures
-                    log.debug("stats() of KV store %r failed", name, exc_info=True)
-                    stats = self._last_stats.get(name)
-                if stats is not None:
-                    stats.setdefault("name", name)
-                    self._last_stats[name] = stats
-            else:
-                stats = self._last_stats.get(name)
-            if stats is not None:
-                out.append(derive_store(stats))
-        return out
+        return [derive_store(stats) for stats in (self._store_stats(n, r) for n, r in self._stores.items())
+                if stats is not None]
+
+    def _store_stats(self, name: str, ref) -> Optional[dict]:
+        """Fresh stats of a live store; for a store already gone, its last stats marked closed."""
+        previous = self._last_stats.get(name)
+        store = ref()
+        if store is None:
+            if previous is None or previous.get("closed"):
+                return previous
+            stats = dict(previous, closed=True, bytes={k: None for k in BYTE_KEYS}, device_bytes=None)
+        else:
+            try:
+                stats = dict(store.stats())
+            except Exception:  # a store torn down mid-call: keep its last figures
+                log.debug("stats() of KV store %r failed", name, exc_info=True)
+                return previous
+            stats.setdefault("name", name)
+        if stats.get("closed"):  # a closed store holds nothing: keep what it held while open, for the readout
+            stats["bytes_while_open"] = (previous or {}).get("bytes_while_open") or (
+                None if (previous or {}).get("closed") else (previous or {}).get("bytes"))
+        self._last_stats[name] = stats
+        return stats
 
     def _payload(self, event: str) -> dict:
+        stores = self._collect_stores()
+        device = next((s.get("device") for s in stores if s.get("device")), None) or self._device
         try:
-            memory = self._memory()
+            memory = self._memory(device)
         except Exception:
             log.debug("memory snapshot failed", exc_info=True)
             memory = None
-        stores = self._collect_stores()
         elapsed = self._clock() - self._started_at if self._started_at is not None else None
         return {
             "v": PAYLOAD_VERSION,
