@@ -1,0 +1,192 @@
+"""Turn the node's inputs into an `OffloadConfig` and patch a clone of a ComfyUI MODEL with it.
+
+Works on any object with ComfyUI's `ModelPatcher` methods (`clone`, `get_model_object`, `model_options`,
+`set_model_attn1_patch`, `set_model_post_input_patch`, `add_object_patch`, `add_wrapper_with_key`,
+`remove_wrappers_with_key`), so it runs in unit tests without ComfyUI.
+
+FluxKVCache interplay (no double caching):
+- `FluxKVCache` upstream of this node (its patches are already on the incoming MODEL): they are removed
+  from our clone and our cache takes over, in whatever mode was picked (`off` included).
+- `FluxKVCache` downstream (it patches our output): found when the run starts; ours stands down for that
+  run with a warning and `FluxKVCache` caches on the GPU as it would alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from ..offload_core import Mode, OffloadConfig
+from .patches import (RefKVAttention, diffusion_model_wrapper, is_flux_kv_cache_patch, is_ours,
+                      make_outer_sample_wrapper, post_input_patch)
+from .qwen21 import OPTIONS_KEY, has_prefix_cache, make_select_prefix_cache
+from .state import RUN_KEY, SPEC_KEY, RunSpec, RunState
+
+log = logging.getLogger(__name__)
+
+WRAPPER_KEY = "kv_offload"
+OUTER_SAMPLE, DIFFUSION_MODEL = "outer_sample", "diffusion_model"  # comfy.patcher_extension.WrappersMP
+MODES = [m.value for m in Mode]
+MIB = 1 << 20
+
+
+def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_budget_mb=None) -> OffloadConfig:
+    """The node's widgets -> a validated `OffloadConfig` (raises the engine's `ValueError`).
+
+    A widget always holds a value, so options that do not apply to the picked mode are left out rather
+    than rejected: prefetch depth and pin budget reach only the async tiers and `auto`, the page-cache
+    switch only the file tiers and `auto`. A pin budget of 0 leaves the budget to ComfyUI.
+    """
+    m = Mode.parse(mode)
+    fields = {"mode": m}
+    asyncish = m in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO)
+    if asyncish and prefetch_depth is not None:
+        fields["prefetch_depth"] = prefetch_depth
+    if (m.is_file or m is Mode.AUTO) and bypass_page_cache is not None:
+        fields["bypass_page_cache"] = bypass_page_cache
+    if asyncish and pin_budget_mb:
+        if isinstance(pin_budget_mb, bool) or not isinstance(pin_budget_mb, int) or pin_budget_mb < 0:
+            raise ValueError(f"`pin_budget_mb` must be a whole number of MiB >= 0; got {pin_budget_mb!r}. "
+                             "Use 0 to leave the budget to ComfyUI.")
+        fields["pin_budget"] = pin_budget_mb * MIB
+    return OffloadConfig(**fields)
+
+
+def validation_message(**inputs) -> "bool | str":
+    """True, or the engine's message for the first bad value (what `validate_inputs` returns)."""
+    try:
+        config_from_inputs(**inputs)
+    except ValueError as e:
+        return str(e)
+    return True
+
+
+def detect_family(dm) -> Optional[str]:
+    """"qwen_image21" (prefix-cache seam), "flux" (Flux / FLUX.2), "qwen_image" (Qwen-Image / -Edit) or None."""
+    if has_prefix_cache(dm):
+        return "qwen_image21"
+    if hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"):
+        return "flux"
+    if hasattr(dm, "transformer_blocks") and hasattr(dm, "default_ref_method"):
+        return "qwen_image"
+    return None
+
+
+def count_layers(dm, family: str) -> int:
+    if family == "flux":
+        return len(dm.double_blocks) + len(dm.single_blocks)
+    return len(dm.transformer_blocks)
+
+
+def _strip_patches(model) -> list:
+    """Remove FluxKVCache's and earlier KV Offload patches from the clone; return what was removed."""
+    patches = model.model_options.get("transformer_options", {}).get("patches", {})
+    removed = []
+    for name in ("attn1_patch", "post_input"):
+        kept = []
+        for p in patches.get(name, []):
+            (removed if is_flux_kv_cache_patch(p) or is_ours(p) else kept).append(p)
+        if name in patches:
+            if kept:
+                patches[name] = kept
+            else:
+                del patches[name]
+    for kind in (OUTER_SAMPLE, DIFFUSION_MODEL):
+        model.remove_wrappers_with_key(kind, WRAPPER_KEY)
+    return removed
+
+
+def _set_ref_method(model, dm) -> None:
+    # what FluxKVCache does: reference tokens modulated at t = 0, so their K/V do not depend on the step
+    if hasattr(dm, "params") and hasattr(dm.params, "default_ref_method"):
+        model.add_object_patch("diffusion_model.params.default_ref_method", "index_timestep_zero")
+    else:
+        model.add_object_patch("diffusion_model.default_ref_method", "index_timestep_zero")
+
+
+def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory: Callable, telemetry=None):
+    """Return `(patched clone, message)`; the input MODEL is never modified.
+
+    host(model_patcher) -> HostServices, evaluated once per run. store_factory: `KVStore`.
+    """
+    m = model.clone()
+    dm = m.get_model_object("diffusion_model")
+    family = detect_family(dm)
+    removed = _strip_patches(m)
+    if any(is_flux_kv_cache_patch(p) for p in removed):
+        log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
+    if family is None:
+        msg = (f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack knows (FLUX.2 Klein KV, "
+               "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it); model unchanged.")
+        log.warning(msg)
+        return m, msg
+    to = m.model_options.setdefault("transformer_options", {})
+    if family == "qwen_image21":
+        opts = dict(to.get(OPTIONS_KEY) or {})
+        if config.mode is Mode.OFF:
+            opts["device"] = "off"
+        else:
+            opts.pop("device", None) if opts.get("device") == "off" else None
+            original = type(dm).select_prefix_cache.__get__(dm)  # the class's, not an earlier object patch
+            m.add_object_patch("diffusion_model.select_prefix_cache",
+                               make_select_prefix_cache(original, count_layers(dm, family)))
+        to[OPTIONS_KEY] = opts
+    else:
+        _set_ref_method(m, dm)
+        if config.mode is not Mode.OFF:
+            m.set_model_attn1_patch(RefKVAttention())
+            m.set_model_post_input_patch(post_input_patch)
+    if config.mode is Mode.OFF:
+        to.pop(SPEC_KEY, None)
+        msg = f"KV Offload: mode off on {family}: the prefix is recomputed every step."
+        log.info(msg)
+        return m, msg
+    to[SPEC_KEY] = RunSpec(config=config, host=host, n_layers=count_layers(dm, family), family=family)
+    m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _outer_wrapper(store_factory, telemetry))
+    m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, diffusion_model_wrapper)
+    msg = f"KV Offload: mode {config.mode.value} on {family}."
+    log.info(msg)
+    return m, msg
+
+
+def copy_nested_dicts(d: dict) -> dict:
+    """ComfyUI's `create_model_options_clone`: dicts copied recursively, lists shallowly, values shared."""
+    out = d.copy()
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out[k] = copy_nested_dicts(v)
+        elif isinstance(v, list):
+            out[k] = v.copy()
+    return out
+
+
+def _outer_wrapper(store_factory: Callable, telemetry):
+    def new_run(spec: RunSpec, model_options: dict, patcher) -> Optional[RunState]:
+        attn = model_options.get("transformer_options", {}).get("patches", {}).get("attn1_patch", [])
+        if spec.family != "qwen_image21" and any(is_flux_kv_cache_patch(p) for p in attn):
+            log.warning("KV Offload: FluxKVCache is applied after KV Offload Settings; it caches on the GPU and "
+                        "KV Offload stands down for this run. Put FluxKVCache before the node, or remove it.")
+            return None
+        return RunState(spec.config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
+
+    def attach(run: RunState, spec: RunSpec, to: dict) -> None:
+        to[RUN_KEY] = run
+        if spec.family == "qwen_image21":
+            to[OPTIONS_KEY] = {**(to.get(OPTIONS_KEY) or {}), RUN_KEY: run}
+
+    def on_start(run: RunState) -> None:
+        if telemetry is not None:
+            _safe(telemetry.run_started, run.run_id)
+
+    def on_finish(run: RunState) -> None:
+        if telemetry is not None:
+            _safe(telemetry.run_finished, run.run_id)
+
+    return make_outer_sample_wrapper(new_run, copy_nested_dicts, attach, on_start, on_finish)
+
+
+def _safe(fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception:  # the readout must never break sampling
+        log.debug("telemetry call failed", exc_info=True)

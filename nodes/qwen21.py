@@ -1,0 +1,120 @@
+"""Qwen-Image 2.1: our stores behind the model's own prefix-cache interface.
+
+Newer ComfyUI (not v0.33.0) gives `QwenImage21Transformer2DModel` its own prefix K/V cache: per forward it
+calls `self.select_prefix_cache(key, cache_bytes, device, options)` -> `(cache, filled)` and then, per
+block, `cache.put(i, kv)` (kv: (B, 2, P, H, D), K after RoPE) on the filling pass, `cache.take(i, device,
+dtype, B)` -> (B, 2, P, H, D) on every pass and `cache.prefetch(i + 1, device, dtype)` on cached passes;
+`options` is `transformer_options["qwen_image21_cache"]`. The model turns its cache off whenever an
+`attn1_patch`, `post_input`, `single_block` patch or `dit` replacement is present, so for 2.1 we hook no
+attention: an object patch of `select_prefix_cache` hands the model a `PrefixStoreCache` backed by this
+run's `KVStore`s, one per prefix key (one per cond), and the model's cache logic stays in charge.
+
+No ComfyUI import.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .state import RUN_KEY, Branch, repeat_to_batch_size
+
+OPTIONS_KEY = "qwen_image21_cache"
+
+
+def has_prefix_cache(diffusion_model) -> bool:
+    """True when the model exposes the Qwen-Image 2.1 prefix-cache seam."""
+    return callable(getattr(diffusion_model, "select_prefix_cache", None)) and hasattr(diffusion_model, "transformer_blocks")
+
+
+class PrefixStoreCache:
+    """`PoseBranchCache`-shaped view of one run's stores: select / filled / put / take / prefetch / free.
+
+    The slot selected by `select(key)` is one engine store. The store learns the layer order on the
+    filling pass and prefetches on its own, so `prefetch` has nothing left to do.
+    """
+
+    def __init__(self, run, n_blocks: int):
+        self.run = run
+        self.n_blocks = n_blocks
+        self.slots: list = []  # [(key tensor, branch id)]
+        self.slot = None
+        self._fresh: dict = {}
+
+    def select(self, key: torch.Tensor, create: bool = True) -> bool:
+        self._fresh.clear()
+        self.slot = None
+        for k, sid in self.slots:
+            if k.shape == key.shape and torch.equal(k, key.to(k.device)):
+                if self.filled(self.n_blocks, sid):
+                    self.slot = sid
+                    return True
+                # a fill pass that did not finish (interrupt, error): never serve it, start over
+                self._remove(sid)
+                break
+        if not create:
+            return False
+        sid = ("qwen21", len(self.slots), id(key))
+        self.run.branches[sid] = Branch()
+        self.slots.append((key.detach().clone(), sid))
+        self.slot = sid
+        return True
+
+    def _remove(self, sid) -> None:
+        self.slots = [(k, s) for k, s in self.slots if s != sid]
+        self.run._drop(sid)
+
+    def filled(self, num_blocks: int, sid=None) -> bool:
+        branch = self.run.branches.get(self.slot if sid is None else sid)
+        return branch is not None and len(branch.layers) == num_blocks
+
+    def put(self, i: int, t: torch.Tensor) -> None:
+        """t: (B, 2, P, H, D) stacked K/V of block i; the store takes its own copy."""
+        self.run.put(self.slot, i, t[:, 0], t[:, 1])
+        self._fresh[i] = t  # the fill pass reads it back at once: serve the model's own tensor
+
+    def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
+        t = self._fresh.pop(i, None)
+        if t is None:
+            k, v = self.run.get(self.slot, i)
+            t = torch.stack([k, v], dim=1)  # a copy: the store's buffers are reused by its next get
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return repeat_to_batch_size(t, batch_size)
+
+    def prefetch(self, i: int, device=None, dtype=None) -> None:
+        return None
+
+    def free(self) -> None:
+        self._fresh.clear()
+        for _, sid in list(self.slots):
+            self.run._drop(sid)
+        self.slots = []
+        self.slot = None
+
+
+def make_select_prefix_cache(original: Callable, n_blocks: int) -> Callable:
+    """The object patch for `diffusion_model.select_prefix_cache`.
+
+    With a run of ours in `options` it returns our cache; without one (our run stood down) it defers to the
+    model's own method, so the model behaves exactly as without the node.
+    """
+
+    def select_prefix_cache(key, cache_bytes, device, options):
+        options = options if isinstance(options, dict) else {}
+        run = options.get(RUN_KEY)
+        if run is None or run.closed:
+            return original(key, cache_bytes, device, options)
+        if options.get("device") == "off":
+            return None, False
+        cache: Optional[PrefixStoreCache] = getattr(run, "prefix_cache", None)
+        if cache is None:
+            cache = run.prefix_cache = PrefixStoreCache(run, n_blocks)
+        if cache.select(key, create=False):
+            return cache, True
+        cache.select(key)
+        return cache, False
+
+    select_prefix_cache.kv_offload = True
+    return select_prefix_cache

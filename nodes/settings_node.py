@@ -1,0 +1,67 @@
+"""The *KV Offload Settings* node: MODEL in, a patched clone out (V3 node API)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..offload_core import KVStore
+from ..offload_core.config import MAX_PREFETCH_DEPTH
+from .apply import MODES, apply_offload, config_from_inputs, validation_message
+from .host import comfy_host_services
+
+try:  # the memory readout's hub; absent in a checkout without it
+    from .telemetry import TELEMETRY
+except ImportError:  # pragma: no cover
+    TELEMETRY = None
+
+MODE_TOOLTIP = (
+    "Where the reference-image K/V cache lives between denoising steps. "
+    "auto: the fastest tier that fits free VRAM / RAM / pinned budget now. "
+    "off: no cache, the prefix is recomputed every step. "
+    "gpu: in VRAM (same as ComfyUI's Flux KV Cache). "
+    "ram_sync / ram_async: host RAM, copied back layer by layer (async: pinned, prefetched behind compute). "
+    "file_sync / file_async: files under ComfyUI's temp folder (async: read ahead of compute). "
+    "Every mode except off gives the same latents as gpu."
+)
+
+
+class KVOffloadSettings(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="KVOffloadSettings",
+            display_name="KV Offload Settings",
+            category="kv_offload",
+            description="Moves the reference-image attention K/V cache of FLUX.2 Klein KV, Qwen-Image, "
+                        "Qwen-Image-Edit and Qwen-Image 2.1 out of VRAM and brings each layer back just "
+                        "before it is needed.",
+            inputs=[
+                io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit) or Qwen-Image 2.1 model."),
+                io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),
+                io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH,
+                             tooltip="Layers copied ahead of the one being computed (ram_async, file_async, "
+                                     "auto). 1 hides a copy behind one layer of compute; more holds more of "
+                                     "the cache in VRAM. Ignored by the other modes."),
+                io.Boolean.Input("bypass_page_cache", default=True, advanced=True,
+                                 tooltip="File modes: keep the OS page cache out of the way (O_DIRECT where "
+                                         "the filesystem allows), so a file mode really saves RAM. Ignored "
+                                         "by the other modes."),
+                io.Int.Input("pin_budget_mb", default=0, min=0, max=1 << 24, advanced=True,
+                             tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
+                                     "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
+                                     "Beyond it the cache uses pageable memory (slower, never fails)."),
+            ],
+            outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> bool | str:
+        return validation_message(mode=mode, prefetch_depth=prefetch_depth,
+                                  bypass_page_cache=bypass_page_cache, pin_budget_mb=pin_budget_mb)
+
+    @classmethod
+    def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> io.NodeOutput:
+        config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb)
+        patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
+                                   telemetry=TELEMETRY)
+        return io.NodeOutput(patched)

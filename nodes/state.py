@@ -1,0 +1,218 @@
+"""Per-run state of the reference K/V cache: one engine `KVStore` per cond, alive for one sampling run.
+
+The node's MODEL output is cached by ComfyUI across prompts and `ModelPatcher.clone()` shares patch
+objects, so nothing here lives on a patch object. A `RunState` is created by the outer-sample wrapper
+(`patches.outer_sample_wrapper`), put into that run's copy of `transformer_options` under `RUN_KEY`, and
+closed in the wrapper's `finally` -- on normal completion, on `InterruptProcessingException` and on any
+error. A new prompt, a new reference or a new model therefore always starts from empty stores.
+
+Stores are keyed by the cond's `uuid` (`transformer_options["uuids"]`), never by block alone: cond and
+uncond may be batched together or not, and the batching may change from step to step.
+
+This module imports no ComfyUI.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid as _uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
+SPEC_KEY = "kv_offload_spec"  # transformer_options key of the node's RunSpec (cached with the MODEL)
+
+PASS, EXTRACT, CACHED = "pass", "extract", "cached"
+
+
+def repeat_to_batch_size(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """ComfyUI's `comfy.utils.repeat_to_batch_size` (batch dim 0), without importing ComfyUI."""
+    if t.shape[0] > batch:
+        return t[:batch]
+    if t.shape[0] < batch:
+        reps = -(-batch // t.shape[0])
+        return t.repeat([reps] + [1] * (t.ndim - 1))[:batch]
+    return t
+
+
+@dataclass
+class RunSpec:
+    """What the node decided, stored with the patched MODEL; turned into a `RunState` once per run.
+
+    config: the validated `OffloadConfig`; host: zero-argument callable returning `HostServices`
+    (evaluated per run, so a ComfyUI service is looked up when it is used); n_layers: attention layers
+    of the diffusion model (sizes `expected_bytes` for `auto`); family: "flux" | "qwen_image" | "qwen_image21".
+    """
+
+    config: Any
+    host: Callable[[], Any]
+    n_layers: int
+    family: str
+
+
+@dataclass
+class Branch:
+    """The cached prefix of one cond: its store and what it was captured from."""
+
+    store: Any = None
+    ref_tokens: int = 0
+    rows: int = 0
+    layers: set = field(default_factory=set)
+    complete: bool = False
+
+
+@dataclass
+class ForwardState:
+    """What the forward in progress does: pass through, capture (extract) or feed back (cached)."""
+
+    phase: str
+    uuids: list
+    rows: int = 0
+    ref_tokens: int = 0
+    capture: frozenset = frozenset()
+
+
+class RunState:
+    """The stores of one sampling run.
+
+    Args:
+        config: `OffloadConfig` (mode other than "off").
+        host: `HostServices` for this run (or None).
+        n_layers: attention layers per forward (for the store's expected size).
+        store_factory: `KVStore`-compatible constructor (tests pass the real one).
+        telemetry: the telemetry hub or None.
+    """
+
+    def __init__(self, config, host, n_layers: int, store_factory: Callable, telemetry=None, run_id: Optional[str] = None):
+        self.config = config
+        self.host = host
+        self.n_layers = max(int(n_layers), 1)
+        self.store_factory = store_factory
+        self.telemetry = telemetry
+        self.run_id = run_id or _uuid.uuid4().hex[:12]
+        self.branches: dict[Hashable, Branch] = {}
+        self.forward: Optional[ForwardState] = None
+        self.forwards = 0
+        self.closed = False
+        self._warned = set()
+
+    # --- one forward -----------------------------------------------------------------------------------
+    def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
+        """Decide the phase of this forward; called from the post-input patch, before any block runs.
+
+        cached: every cond in the batch has a complete capture with the same reference length -> the
+        reference tokens are dropped from the sequence and fed back from the stores. extract: the conds
+        without one capture this forward (a half-captured cond from an aborted forward starts over).
+        """
+        uuids = list(uuids or [])
+        if self.closed or ref_tokens <= 0 or not uuids or batch % len(uuids):
+            self.forward = ForwardState(PASS, uuids)
+            return self.forward
+        rows = batch // len(uuids)
+        ready = [self._ready(u, ref_tokens) for u in uuids]
+        if all(ready):
+            self.forward = ForwardState(CACHED, uuids, rows, ref_tokens)
+            return self.forward
+        capture = frozenset(u for u, ok in zip(uuids, ready) if not ok)
+        for u in capture:
+            self._drop(u)
+            self.branches[u] = Branch(ref_tokens=ref_tokens, rows=rows)
+        self.forward = ForwardState(EXTRACT, uuids, rows, ref_tokens, capture)
+        return self.forward
+
+    def end_forward(self, ok: bool) -> None:
+        """Close the forward: a capture is complete only if its forward ran to the end."""
+        fwd, self.forward = self.forward, None
+        self.forwards += 1
+        if fwd is None or fwd.phase != EXTRACT:
+            return
+        for u in fwd.capture:
+            branch = self.branches.get(u)
+            if branch is None:
+                continue
+            if ok and branch.layers:
+                branch.complete = True
+            else:
+                self._drop(u)
+
+    def _ready(self, u, ref_tokens: int) -> bool:
+        b = self.branches.get(u)
+        return b is not None and b.complete and b.ref_tokens == ref_tokens
+
+    # --- layer traffic ----------------------------------------------------------------------------------
+    def put(self, u, layer: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Hand one layer's reference K/V of cond `u` to its store (the store copies)."""
+        branch = self.branches[u]
+        if branch.store is None:
+            per_layer = 2 * k.numel() * k.element_size()
+            name = f"{self.run_id}/{str(u)[:8]}"
+            branch.store = self.store_factory(self.config, k.device, host=self.host,
+                                              expected_bytes=per_layer * self.n_layers, name=name)
+            self._track(name, branch.store)
+        branch.store.put(layer, k, v)
+        branch.layers.add(layer)
+
+    def get(self, u, layer: Hashable):
+        """(k, v) of cond `u` at `layer`, on the compute device; valid until the next get on that store."""
+        branch = self.branches[u]
+        if layer not in branch.layers:
+            raise RuntimeError(
+                f"KV Offload: no cached reference K/V for layer {layer!r} of cond {u}; the model ran a layer "
+                "on a cached step that it did not run on the capture step. Use mode 'off' for this graph."
+            )
+        return branch.store.get(layer)
+
+    def _track(self, name: str, store) -> None:
+        self._note_fallback(store)
+        if self.telemetry is not None:
+            try:
+                self.telemetry.track(name, store)
+            except Exception:  # the readout must never break sampling
+                log.debug("telemetry.track failed", exc_info=True)
+
+    def _note_fallback(self, store) -> None:
+        requested = getattr(self.config, "mode", None)
+        in_effect = getattr(store, "mode", None)
+        reason = getattr(store, "reason", "")
+        if requested is None or in_effect is None or in_effect == requested or str(requested) == "auto":
+            return
+        key = (str(requested), str(in_effect))
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("KV Offload: mode %s runs as %s: %s", requested, in_effect, reason)
+
+    # --- lifetime ---------------------------------------------------------------------------------------
+    def step(self) -> None:
+        if self.telemetry is not None:
+            try:
+                self.telemetry.step()
+            except Exception:
+                log.debug("telemetry.step failed", exc_info=True)
+
+    def stats(self) -> dict:
+        return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
+
+    def _drop(self, u) -> None:
+        branch = self.branches.pop(u, None)
+        if branch is not None and branch.store is not None:
+            branch.store.close()
+
+    def close(self) -> None:
+        """Close every store (finishes or cancels transfers, frees buffers, deletes files). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.forward = None
+        errors = []
+        for u in list(self.branches):
+            try:
+                self._drop(u)
+            except Exception as e:  # close the others anyway
+                errors.append(e)
+        self.branches.clear()
+        if errors:
+            raise errors[0]

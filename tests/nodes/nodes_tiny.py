@@ -1,0 +1,212 @@
+"""A tiny joint-attention DiT and sampler that drive the patches exactly as ComfyUI does, without ComfyUI.
+
+`TinyDiT.forward` follows `comfy/ldm/flux/model.py`: the DIFFUSION_MODEL wrappers wrap the forward, the
+`post_input` patches see `{"img", "txt", "img_ids", "txt_ids", "transformer_options"}` with the reference
+tokens last in `img` and `reference_image_num_tokens` set, every block hands its joint q/k/v (B, H, L, D)
+to the `attn1_patch`es with `block_type` / `block_index`, double blocks first, then single blocks.
+`FluxKVCacheReference` is ComfyUI's `FluxKVCache` contract (one dict of GPU tensors per block), the
+baseline mode `gpu` must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TinyDiT(torch.nn.Module):
+    def __init__(self, hidden=32, heads=2, double=2, single=2, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.heads = heads
+        self.double_blocks, self.single_blocks = [None] * double, [None] * single  # what detection looks at
+        self.default_ref_method = "index"
+        self.blocks = [("double", i) for i in range(double)] + [("single", i) for i in range(single)]
+        self.qkv = [torch.randn(hidden, 3 * hidden, generator=g) * hidden ** -0.5 for _ in self.blocks]
+        self.proj = [torch.randn(hidden, hidden, generator=g) * hidden ** -0.5 for _ in self.blocks]
+
+    def forward(self, img, ref, txt, transformer_options):
+        wrappers = list(transformer_options.get("wrappers", {}).get("diffusion_model", {}).values())
+        fns = [w for ws in wrappers for w in ws]
+
+        def call(i, *args):
+            if i == len(fns):
+                return self._forward(*args)
+            return fns[i](lambda *a, **k: call(i + 1, *a), *args)
+
+        return call(0, img, ref, txt, transformer_options)
+
+    def _forward(self, img, ref, txt, transformer_options):
+        to = dict(transformer_options)
+        n_img = img.shape[1]
+        to["reference_image_num_tokens"] = [ref.shape[1]]
+        x_img = torch.cat([img, ref], dim=1)
+        for p in to.get("patches", {}).get("post_input", []):
+            out = p({"img": x_img, "txt": txt, "img_ids": None, "txt_ids": None, "transformer_options": to})
+            x_img, txt = out["img"], out["txt"]
+        x = torch.cat([txt, x_img], dim=1)
+        for (btype, bidx), w_qkv, w_proj in zip(self.blocks, self.qkv, self.proj):
+            to["block_type"], to["block_index"] = btype, bidx
+            B, L, C = x.shape
+            q, k, v = (x @ w_qkv).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            extra = dict(to)
+            for p in to.get("patches", {}).get("attn1_patch", []):
+                out = p(q, k, v, pe=None, attn_mask=None, extra_options=extra)
+                q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
+            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C)
+            x = x + torch.tanh(a @ w_proj)
+        return x[:, txt.shape[1]:txt.shape[1] + n_img]
+
+
+class FluxKVCacheReference:
+    """ComfyUI's `FluxKVCache` (comfy_extras/nodes_flux.py) as a contract: a GPU dict keyed by block."""
+
+    def __init__(self):
+        self.cache = {}
+
+    def attn(self, q, k, v, extra_options, **kwargs):
+        ref = sum(extra_options.get("reference_image_num_tokens", []))
+        if ref == 0:
+            return {}
+        key = "{}_{}".format(extra_options["block_type"], extra_options["block_index"])
+        if key in self.cache:
+            kk, vv = self.cache[key]
+            kk = _repeat(kk, k.shape[0])
+            vv = _repeat(vv, v.shape[0])
+            return {"q": q, "k": torch.cat((k, kk), dim=2), "v": torch.cat((v, vv), dim=2)}
+        self.cache[key] = (k[:, :, -ref:].clone(), v[:, :, -ref:].clone())
+        return {"q": q, "k": k, "v": v}
+
+    def post_input(self, inputs):
+        if self.cache:
+            ref = sum(inputs["transformer_options"].get("reference_image_num_tokens", []))
+            if ref > 0:
+                inputs["img"] = inputs["img"][:, :-ref]
+        return inputs
+
+    def options(self):
+        return {"patches": {"attn1_patch": [self.attn], "post_input": [self.post_input]}}
+
+
+def _repeat(t, batch):
+    if t.shape[0] == batch:
+        return t
+    return t.repeat([-(-batch // t.shape[0])] + [1] * (t.ndim - 1))[:batch]
+
+
+class Executor:
+    """Stands in for ComfyUI's WrapperExecutor of an OUTER_SAMPLE wrapper (`class_obj` = the guider)."""
+
+    def __init__(self, guider, fn):
+        self.class_obj = guider
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+class Guider:
+    def __init__(self, model_options):
+        self.model_options = model_options
+        self.model_patcher = None
+
+
+def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=None, batched=True, fail_at=None):
+    """Euler-ish loop; `refs` / `txts` are per cond (cond first, uncond second when cfg is set).
+
+    Runs the OUTER_SAMPLE wrappers around the loop like `CFGGuider.outer_sample`. `fail_at=(step, uuid)`
+    raises KeyboardInterrupt (a BaseException, like ComfyUI's InterruptProcessingException) inside that
+    forward, after its first block.
+    """
+    guider = Guider(model_options)
+    uuids = ["cond-uuid", "uncond-uuid"][: 2 if cfg is not None else 1]
+
+    def loop():
+        x = noise.clone()
+        for step in range(steps):
+            to = dict(guider.model_options.get("transformer_options", {}))
+            to["sigmas"] = torch.tensor([1.0 - step / steps])
+            groups = [uuids] if batched else [[u] for u in uuids]
+            outs = {}
+            for group in groups:
+                idx = [uuids.index(u) for u in group]
+                t = dict(to, uuids=list(group), cond_or_uncond=idx)
+                if fail_at is not None and fail_at[0] == step and fail_at[1] in group:
+                    t["patches"] = _failing(t.get("patches", {}))
+                out = model.forward(torch.cat([x] * len(group)), torch.cat([refs[i] for i in idx]),
+                                    torch.cat([txts[i] for i in idx]), t)
+                for j, u in enumerate(group):
+                    outs[u] = out[j * x.shape[0]:(j + 1) * x.shape[0]]
+            d = outs[uuids[0]] if cfg is None else outs[uuids[1]] + cfg * (outs[uuids[0]] - outs[uuids[1]])
+            x = x - 0.25 * d
+        return x
+
+    wrappers = [w for ws in model_options.get("transformer_options", {}).get("wrappers", {})
+                .get("outer_sample", {}).values() for w in ws]
+
+    def call(i):
+        if i == len(wrappers):
+            return loop()
+        return wrappers[i](Executor(guider, lambda: call(i + 1)))
+
+    return call(0)
+
+
+def _failing(patches):
+    def boom(q, k, v, extra_options, **kwargs):
+        if extra_options["block_index"] == 1:
+            raise KeyboardInterrupt("interrupted mid-forward")
+        return {}
+
+    out = {k: list(v) for k, v in patches.items()}
+    out["attn1_patch"] = out.get("attn1_patch", []) + [boom]
+    return out
+
+
+class FakePatcher:
+    """The slice of ComfyUI's `ModelPatcher` that `apply_offload` uses; `options()` is what sampling sees."""
+
+    def __init__(self, dm, model_options=None):
+        self.dm = dm
+        self.model_options = model_options or {"transformer_options": {}}
+        self.wrappers = {}
+        self.object_patches = {}
+
+    def clone(self):
+        from kv_offload_pack.nodes.apply import copy_nested_dicts
+
+        n = FakePatcher(self.dm, copy_nested_dicts(self.model_options))
+        n.wrappers = {t: {k: list(v) for k, v in d.items()} for t, d in self.wrappers.items()}
+        n.object_patches = dict(self.object_patches)
+        return n
+
+    def get_model_object(self, name):
+        assert name == "diffusion_model"
+        return self.dm
+
+    def _set_patch(self, patch, name):
+        to = self.model_options.setdefault("transformer_options", {})
+        to.setdefault("patches", {})
+        to["patches"][name] = to["patches"].get(name, []) + [patch]
+
+    def set_model_attn1_patch(self, patch):
+        self._set_patch(patch, "attn1_patch")
+
+    def set_model_post_input_patch(self, patch):
+        self._set_patch(patch, "post_input")
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+    def add_wrapper_with_key(self, kind, key, fn):
+        self.wrappers.setdefault(kind, {}).setdefault(key, []).append(fn)
+
+    def remove_wrappers_with_key(self, kind, key):
+        self.wrappers.get(kind, {}).pop(key, None)
+
+    def options(self):
+        from kv_offload_pack.nodes.apply import copy_nested_dicts
+
+        mo = copy_nested_dicts(self.model_options)
+        mo.setdefault("transformer_options", {})["wrappers"] = self.wrappers
+        return mo
