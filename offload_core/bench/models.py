@@ -114,15 +114,20 @@ def qwen21_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype: torch.d
 
     pipe = QwenImage21Pipeline(**_qwen21_components(size, seed))
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device=device, dtype=dtype)
+    return _place(pipe, device, dtype)
 
 
 def qwen21_modular_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                            device: str | torch.device = "cpu"):
-    """The modular Qwen-Image 2.1 pipeline (default auto blocks) with the same random components."""
+                            device: str | torch.device = "cpu", guidance_scale: float = 1.0):
+    """The modular Qwen-Image 2.1 pipeline (default auto blocks) with the same random components.
+
+    `guidance_scale > 1` installs a classifier-free guider: two branches, two caches.
+    """
+    from diffusers.guiders import ClassifierFreeGuidance
     from diffusers.modular_pipelines.qwenimage21 import QwenImage21AutoBlocks
 
     components = _qwen21_components(size, seed)
+    components["guider"] = ClassifierFreeGuidance(guidance_scale=guidance_scale)
     pipe = QwenImage21AutoBlocks().init_pipeline()
     pipe.update_components(**components)
     pipe.to(device)
@@ -155,7 +160,48 @@ def flux2_klein_kv_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype:
     pipe = Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text,
                                 tokenizer=tok, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
-    return pipe.to(device=device, dtype=dtype)
+    return _place(pipe, device, dtype)
+
+
+def _place(pipe, device, dtype: torch.dtype):
+    # Random weights are created in float32; only cast when asked to (diffusers warns on every cast).
+    return pipe.to(device=device) if dtype == torch.float32 else pipe.to(device=device, dtype=dtype)
+
+
+def pipeline_kind(pipe) -> str:
+    """"qwen21", "qwen21_modular" or "flux2": which call convention `call_kwargs` must follow."""
+    name = type(pipe).__name__
+    if "Modular" in name:
+        return "qwen21_modular"
+    return "flux2" if "Flux2" in name else "qwen21"
+
+
+def call_kwargs(pipe, images: list, *, steps: int, resolution: int, seed: int = 0, cfg: bool = False,
+                output_type: str = "np") -> dict:
+    """Keyword arguments for one deterministic call of `pipe` (any of the three tiny pipelines).
+
+    `cfg` adds a negative prompt with true CFG (classic Qwen pipeline; the modular one takes CFG from its guider).
+    """
+    kind = pipeline_kind(pipe)
+    common = dict(prompt="a red cat on a blue sky", image=list(images), num_inference_steps=steps,
+                  generator=torch.Generator().manual_seed(seed), output_type=output_type)
+    if kind == "flux2":
+        return dict(common, height=resolution, width=resolution, max_sequence_length=32,
+                    text_encoder_out_layers=(1, 2, 3))
+    common["output_resolution"] = resolution
+    if cfg:
+        common["negative_prompt"] = "a dog"
+    if cfg and kind == "qwen21":
+        common["true_cfg_scale"] = 4.0
+    return common
+
+
+def run_pipeline(pipe, images: list, **kwargs):
+    """Call `pipe` with `call_kwargs(...)` and return its output images (an array or tensor)."""
+    args = call_kwargs(pipe, images, **kwargs)
+    if pipeline_kind(pipe) == "qwen21_modular":
+        return pipe(**args, output="images")
+    return pipe(**args).images
 
 
 def condition_images(count: int, size: int = 64, seed: int = 0) -> list[Image.Image]:

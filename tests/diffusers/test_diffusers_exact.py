@@ -1,0 +1,71 @@
+"""Every lossless mode gives the image the pipeline's own device-resident cache gives, bit for bit.
+
+The reference is the unpatched pipeline (upstream caching, no offload) with the same seed.
+"""
+
+import numpy as np
+import pytest
+from conftest import LOSSLESS_MODES
+
+from offload_core.bench import models
+from offload_core.diffusers import disable_kv_offload, enable_kv_offload
+
+STEPS, RES = 3, 64
+
+
+def _offloaded(pipe, mode, imgs, **kwargs):
+    session = enable_kv_offload(pipe, mode)
+    try:
+        out = models.run_pipeline(pipe, imgs, steps=STEPS, resolution=RES, **kwargs)
+    finally:
+        disable_kv_offload(pipe)
+    return out, session.last_stats
+
+
+@pytest.mark.parametrize("cfg", [False, True], ids=["no_cfg", "true_cfg"])
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_qwen21_every_lossless_mode_is_bit_exact(qwen_pipe, images, cfg, n_images):
+    imgs = images[:n_images]
+    reference = models.run_pipeline(qwen_pipe, imgs, steps=STEPS, resolution=RES, cfg=cfg)
+    for mode in LOSSLESS_MODES:
+        out, stats = _offloaded(qwen_pipe, mode, imgs, cfg=cfg)
+        assert np.array_equal(out, reference), f"mode {mode} differs from the upstream cache"
+        # one isolated store per branch, each holding every layer
+        assert [s["name"] for s in stats] == (["cond", "uncond"] if cfg else ["cond"])
+        assert all(s["layers"] == len(qwen_pipe.transformer.transformer_blocks) for s in stats)
+        if mode != "auto":
+            assert {s["tier"] for s in stats} == {mode}
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_flux2_klein_kv_every_lossless_mode_is_bit_exact(flux_pipe, images, n_images):
+    imgs = images[:n_images]
+    reference = models.run_pipeline(flux_pipe, imgs, steps=STEPS, resolution=RES)
+    blocks = len(flux_pipe.transformer.transformer_blocks) + len(flux_pipe.transformer.single_transformer_blocks)
+    for mode in LOSSLESS_MODES:
+        out, stats = _offloaded(flux_pipe, mode, imgs)
+        assert np.array_equal(out, reference), f"mode {mode} differs from the upstream cache"
+        assert len(stats) == 1 and stats[0]["layers"] == blocks
+        assert stats[0]["gets"] == blocks * (STEPS - 1)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.0], ids=["no_cfg", "cfg"])
+def test_qwen21_modular_every_lossless_mode_is_bit_exact(images, guidance):
+    pipe = models.qwen21_modular_pipeline(guidance_scale=guidance)
+    pipe.set_progress_bar_config(disable=True)
+    cfg = guidance > 1
+    reference = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, cfg=cfg)
+    for mode in LOSSLESS_MODES:
+        out, stats = _offloaded(pipe, mode, images[:1], cfg=cfg)
+        assert np.array_equal(out, reference), f"mode {mode} differs from the upstream cache"
+        assert len(stats) == (2 if cfg else 1)
+
+
+def test_qwen21_off_matches_the_uncached_pipeline(qwen_pipe, store_log, images):
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    uncached = qwen_pipe(**args, use_kv_cache=False).images
+    enable_kv_offload(qwen_pipe, "off")
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    off = qwen_pipe(**args).images
+    assert np.array_equal(off, uncached)
+    assert store_log.stores == []

@@ -1,0 +1,127 @@
+"""Cache lifetime: no store (and no cached tensor) survives into VAE decoding, exceptions or interrupts."""
+
+import gc
+import os
+
+import pytest
+from conftest import LOSSLESS_MODES
+
+from offload_core.bench import models
+from offload_core.diffusers import enable_kv_offload
+
+STEPS, RES = 3, 64
+
+
+def _resident_prefix_tensors():
+    """Layer caches (upstream classes and ours) that hold K/V tensors right now."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVLayerCache
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
+
+    held = []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), QwenImage21KVLayerCache) and obj.k is not None:
+            held.append(obj)
+        elif issubclass(type(obj), Flux2KVLayerCache) and obj.k_ref is not None:
+            held.append(obj)
+    return held
+
+
+class DecodeProbe:
+    """Wraps `vae.decode` on the class (under the adapter's instance guard) and records what is alive."""
+
+    def __init__(self, monkeypatch, vae, store_log):
+        self.calls = []
+        original = type(vae).decode
+
+        def decode(vae_self, *args, **kwargs):
+            self.calls.append((len(store_log.live), len(_resident_prefix_tensors())))
+            return original(vae_self, *args, **kwargs)
+
+        monkeypatch.setattr(type(vae), "decode", decode)
+
+
+@pytest.mark.parametrize("mode", LOSSLESS_MODES)
+def test_qwen21_no_store_alive_while_vae_decodes(qwen_pipe, images, store_log, monkeypatch, mode):
+    probe = DecodeProbe(monkeypatch, qwen_pipe.vae, store_log)
+    enable_kv_offload(qwen_pipe, mode)
+    models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
+    assert len(store_log.stores) == 2  # cond + uncond were really offloaded...
+    assert probe.calls == [(0, 0)]  # ...and both were closed before decode, with nothing left resident
+
+
+@pytest.mark.parametrize("mode", ["gpu", "ram_async"])
+def test_flux2_no_store_alive_while_vae_decodes(flux_pipe, images, store_log, monkeypatch, mode):
+    probe = DecodeProbe(monkeypatch, flux_pipe.vae, store_log)
+    enable_kv_offload(flux_pipe, mode)
+    models.run_pipeline(flux_pipe, images[:1], steps=STEPS, resolution=RES)
+    assert len(store_log.stores) == 1
+    assert probe.calls == [(0, 0)]
+
+
+def test_upstream_qwen21_keeps_its_cache_through_decode(qwen_pipe, images, store_log, monkeypatch):
+    """The probe sees the upstream lifetime this adapter fixes: without it the prefix K/V reach decode."""
+    probe = DecodeProbe(monkeypatch, qwen_pipe.vae, store_log)
+    models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    assert probe.calls[0][1] == len(qwen_pipe.transformer.transformer_blocks)
+
+
+def test_modular_qwen21_no_store_alive_while_vae_decodes(images, store_log, monkeypatch):
+    pipe = models.qwen21_modular_pipeline(guidance_scale=4.0)
+    pipe.set_progress_bar_config(disable=True)
+    probe = DecodeProbe(monkeypatch, pipe.vae, store_log)
+    enable_kv_offload(pipe, "ram_sync")
+    models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
+    assert len(store_log.stores) == 2 and probe.calls == [(0, 0)]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def _raise_at_step(step):
+    def callback(pipe, i, t, kwargs):
+        if i == step:
+            raise Boom(f"raised inside the denoising loop at step {i}")
+        return kwargs
+
+    return callback
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async", "ram_async", "gpu"])
+def test_exception_in_loop_leaves_no_store_and_no_files(qwen_pipe, images, store_log, tmp_path, mode):
+    fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
+    enable_kv_offload(qwen_pipe, mode, **fields)
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
+    with pytest.raises(Boom):
+        qwen_pipe(**args, callback_on_step_end=_raise_at_step(1))
+    assert len(store_log.stores) == 2 and store_log.live == []
+    assert os.listdir(tmp_path) == []
+    assert _resident_prefix_tensors() == []
+
+
+def test_flux2_exception_in_loop_leaves_no_store_and_no_files(flux_pipe, images, store_log, tmp_path):
+    enable_kv_offload(flux_pipe, "file_async", file_dir=str(tmp_path))
+    args = models.call_kwargs(flux_pipe, images[:1], steps=STEPS, resolution=RES)
+    with pytest.raises(Boom):
+        flux_pipe(**args, callback_on_step_end=_raise_at_step(1))
+    assert len(store_log.stores) == 1 and store_log.live == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_interrupt_closes_stores_before_decode(qwen_pipe, images, store_log, monkeypatch):
+    probe = DecodeProbe(monkeypatch, qwen_pipe.vae, store_log)
+
+    def interrupt(pipe, i, t, kwargs):
+        pipe._interrupt = True
+        return kwargs
+
+    enable_kv_offload(qwen_pipe, "ram_sync")
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    qwen_pipe(**args, callback_on_step_end=interrupt)
+    assert len(store_log.stores) == 1 and probe.calls == [(0, 0)]
+
+
+def test_latent_output_closes_stores_at_return(qwen_pipe, images, store_log):
+    enable_kv_offload(qwen_pipe, "ram_sync")
+    models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, output_type="latent")
+    assert len(store_log.stores) == 1 and store_log.live == []
