@@ -168,17 +168,22 @@ class KVStore:
         if self._current is not None and self._current.key == key:
             return views(self._current.buffer, layout)
         self._release_current()
-        slot = self._slot_of(key) or self._load(key, self._free_slot())
+        # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
+        # the consumer is stalled; copies queued on the side stream are not.
+        with self._streams.timed("wait"):
+            slot = self._slot_of(key) or self._load(key, self._free_slot())
+            self._prefetch_after(key)
+            slot.pending.wait(self._streams.consumer())
+        self._current = slot
+        return views(slot.buffer, layout)
+
+    def _prefetch_after(self, key: Hashable) -> None:
         for ahead in self._order.ahead(key, self.depth):
             if self._slot_of(ahead) is None:
                 free = self._free_slot(strict=True)
                 if free is None:
-                    break
+                    return
                 self._load(ahead, free)
-        with self._streams.timed("wait"):
-            slot.pending.wait(self._streams.consumer())
-        self._current = slot
-        return views(slot.buffer, layout)
 
     def _release_current(self) -> None:
         if self._current is not None:
