@@ -1,0 +1,160 @@
+"""The store's contract, once for every tier: put once, get many (bit-identical), close leaves nothing."""
+
+import os
+
+import pytest
+import torch
+
+from offload_core import KVStore, Mode, OffloadConfig
+
+TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_layers(keys, dtype, seed=0, shape=(1, 2, 37, 16)):
+    gen = torch.Generator().manual_seed(seed)
+    return {key: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+            for key in keys}
+
+
+def config_for(mode, tmp_path):
+    return OffloadConfig(mode=mode, file_dir=str(tmp_path) if Mode(mode).is_file else None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mode", TIERS)
+def test_round_trip_is_bit_identical_in_put_order(mode, dtype, tmp_path):
+    keys = list(range(6))
+    layers = make_layers(keys, dtype)
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key in keys:
+            store.put(key, *layers[key])
+        for _ in range(3):  # several denoising steps
+            for key in keys:
+                k, v = store.get(key)
+                assert k.dtype == dtype and v.dtype == dtype
+                assert k.shape == layers[key][0].shape and v.shape == layers[key][1].shape
+                assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
+        assert store.stats()["tier"] == mode
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_learned_non_monotonic_order(mode, tmp_path):
+    # Put in one order, consumed double blocks first, then single blocks (FLUX.2), with key tuples.
+    put_order = [("single", 1), ("double", 0), ("single", 0), ("double", 1), ("single", 2)]
+    use_order = [("double", 0), ("double", 1), ("single", 0), ("single", 1), ("single", 2)]
+    layers = make_layers(put_order, torch.bfloat16, seed=1)
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key in put_order:
+            store.put(key, *layers[key])
+        loads_after_puts = store.stats()["transfers"]["count"]
+        for step in range(4):
+            if step == 2:
+                loads_before = store.stats()["transfers"]["count"]
+            for key in use_order:
+                k, v = store.get(key)
+                assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
+        stats = store.stats()
+    if mode != "gpu":
+        assert loads_after_puts == len(put_order) or stats["tier"] == "gpu"
+        # Once the order is learned, every layer is loaded exactly once per step: no wasted prefetch.
+        assert stats["transfers"]["count"] - loads_before == 2 * len(use_order)
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_source_mutated_after_put_does_not_reach_the_store(mode, tmp_path):
+    layers = make_layers(range(3), torch.float32, seed=2)
+    originals = {key: (k.clone(), v.clone()) for key, (k, v) in layers.items()}
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+            k.add_(1.0)
+            v.zero_()
+        for key in layers:
+            k, v = store.get(key)
+            assert torch.equal(k, originals[key][0]) and torch.equal(v, originals[key][1])
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_close_leaves_no_file_and_no_buffer(mode, tmp_path):
+    layers = make_layers(range(4), torch.float16, seed=3)
+    store = KVStore(config_for(mode, tmp_path), "cpu")
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    store.get(0)
+    allocator = store._allocator
+    assert store.stats()["bytes"] != {"device": 0, "host_pinned": 0, "host_pageable": 0, "file": 0}
+    if Mode(mode).is_file:
+        assert len(os.listdir(tmp_path)) == 1  # the store's own private directory
+    store.close()
+    store.close()  # idempotent
+    assert os.listdir(tmp_path) == []
+    assert allocator.pinned_bytes == 0 and allocator.pageable_bytes == 0
+    assert store.stats()["closed"] and store.stats()["device_bytes"] == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(0)
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_exception_mid_request_cleans_up(mode, tmp_path):
+    layers = make_layers(range(5), torch.bfloat16, seed=4)
+    with pytest.raises(KeyboardInterrupt):
+        with KVStore(config_for(mode, tmp_path), "cpu") as store:
+            for key, (k, v) in layers.items():
+                store.put(key, k, v)
+            store.get(0)
+            store.get(1)  # a prefetch of layer 2 is in flight on the async tiers
+            raise KeyboardInterrupt
+    assert store.closed
+    assert os.listdir(tmp_path) == []
+    assert store._allocator.pinned_bytes == 0 and store._allocator.pageable_bytes == 0
+
+
+def test_default_file_dir_is_private_and_removed():
+    with KVStore(OffloadConfig(mode="file_async"), "cpu") as store:
+        store.put(0, *make_layers([0], torch.float32)[0])
+        directory = store.stats()["file_dir"]
+        assert os.path.isdir(directory) and os.listdir(directory)
+        assert os.stat(directory).st_mode & 0o077 == 0  # private to this user
+    assert not os.path.exists(directory)
+
+
+@pytest.mark.parametrize("mode", ["ram_async", "file_async"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_prefetch_keeps_at_most_depth_plus_one_layers_on_the_device(mode, depth, tmp_path):
+    keys = list(range(18))
+    layers = make_layers(keys, torch.float16, seed=5, shape=(1, 2, 8, 16))
+    config = OffloadConfig(mode=mode, prefetch_depth=depth, file_dir=str(tmp_path) if "file" in mode else None)
+    with KVStore(config, "cpu") as store:
+        for key in keys:
+            store.put(key, *layers[key])
+        for _ in range(2):
+            for key in keys:
+                k, v = store.get(key)
+                assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
+                assert store.stats()["resident_layers"] <= depth + 1
+        stats = store.stats()
+    assert stats["peak_resident_layers"] == depth + 1  # prefetch really ran ahead, and no further
+    one_layer = stats["peak_device_bytes"] // (depth + 1)
+    assert one_layer < 2 * (layers[0][0].nbytes + layers[0][1].nbytes) + 8192
+
+
+@pytest.mark.parametrize("mode", ["ram_sync", "file_sync"])
+def test_sync_tiers_hold_one_layer_on_the_device(mode, tmp_path):
+    layers = make_layers(range(8), torch.float32, seed=6)
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        for key in layers:
+            store.get(key)
+        assert store.stats()["peak_resident_layers"] == 1
+
+
+def test_gpu_tier_keeps_everything_resident():
+    layers = make_layers(range(8), torch.float32, seed=7)
+    with KVStore(OffloadConfig(mode="gpu"), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        stats = store.stats()
+    assert stats["peak_resident_layers"] == 8
+    assert stats["peak_device_bytes"] == sum(k.nbytes + v.nbytes for k, v in layers.values())

@@ -1,0 +1,85 @@
+"""File tiers: safetensors-compatible, aligned, atomic, and loud about files changed under them."""
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from offload_core import KVFileError, KVStore, OffloadConfig
+
+
+def filled_store(mode, tmp_path, n=3, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(11)
+    layers = {i: (torch.randn(1, 2, 33, 16, generator=gen).to(dtype), torch.randn(1, 2, 33, 16, generator=gen).to(dtype))
+              for i in range(n)}
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    return store, layers
+
+
+def layer_files(store):
+    directory = store.stats()["file_dir"]
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory))
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_files_are_safetensors_with_4k_aligned_data(mode, tmp_path):
+    store, layers = filled_store(mode, tmp_path)
+    store.get(0)  # the async writes are done once a read has come back (one FIFO I/O thread)
+    store.get(1)
+    store.get(2)
+    files = layer_files(store)
+    assert [os.path.basename(f) for f in files] == [f"layer-{i:05d}.safetensors" for i in range(3)]
+    for i, path in enumerate(files):
+        loaded = load_file(path)
+        assert torch.equal(loaded["k"], layers[i][0]) and torch.equal(loaded["v"], layers[i][1])
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        assert (8 + n) % 4096 == 0
+        assert header["k"]["data_offsets"][0] % 4096 == 0 and header["v"]["data_offsets"][0] % 4096 == 0
+        assert header["__metadata__"]["format"] == "kv_offload.layer"
+        assert os.path.getsize(path) % 4096 == 0
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def damage(path, how):
+    if how == "missing":
+        os.unlink(path)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) - 4096)
+    else:  # a flipped byte in the header: dtype or shape would be misread
+        with open(path, "r+b") as f:
+            f.seek(20)
+            byte = f.read(1)
+            f.seek(20)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("how, match", [("missing", "is missing"), ("truncated", "expected"), ("corrupted", "is corrupted")])
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_damaged_file_gives_a_clear_error_naming_it(mode, how, match, tmp_path):
+    store, layers = filled_store(mode, tmp_path)
+    k, _ = store.get(0)
+    assert torch.equal(k, layers[0][0])
+    target = layer_files(store)[2]
+    damage(target, how)
+    with pytest.raises(KVFileError, match=match) as info:
+        store.get(1)  # prefetches layer 2 on file_async, reads it on the next get on file_sync
+        store.get(2)
+    assert os.path.basename(target) in str(info.value)
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_no_temp_files_left_by_writes(tmp_path):
+    store, _ = filled_store("file_async", tmp_path, n=6)
+    for key in range(6):
+        store.get(key)
+    assert not [f for f in layer_files(store) if f.endswith(".tmp")]
+    store.close()
