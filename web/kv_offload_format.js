@@ -193,6 +193,7 @@ export const SCOPE_NAMES = { process: "this process", device: "whole device", sy
 
 // "VRAM free [whole device]: " -- the text before a row's value.
 export function rowLead(r) {
+  if (!r.label) return "";
   const scope = SCOPE_NAMES[r.scope];
   return `${r.label}${scope ? ` [${scope}]` : ""}: `;
 }
