@@ -19,17 +19,22 @@ def fits(free: Optional[int], need: int) -> bool:
     return free is not None and free >= need + need // 2 + RESERVE_BYTES
 
 
-def choose_tier(need: int, device_type: str, free_device: Optional[int], free_host: Optional[int],
-                unified: Optional[str]) -> Tuple[Mode, str]:
-    """The fastest tier that fits right now, and why. `unified` is the reason RAM tiers free nothing, or None."""
+def choose_tier(need: int, free_device: Optional[int], free_host: Optional[int], unified: Optional[str],
+                pin_budget: Optional[int] = None) -> Tuple[Mode, str]:
+    """The fastest tier that fits right now, and why.
+
+    `unified` is the reason host RAM is no separate pool (unified memory, or the device is the CPU itself), in
+    which case a RAM tier would free nothing and is never picked.
+    """
     gib = need / GiB
-    if device_type == "cpu":
-        return Mode.GPU, "the device is the CPU: its memory already is host RAM"
     if fits(free_device, need):
         return Mode.GPU, f"{gib:.2f} GiB fits in free device memory ({(free_device or 0) / GiB:.2f} GiB)"
     if unified is None and fits(free_host, need):
-        return Mode.RAM_ASYNC, f"{gib:.2f} GiB does not fit on the device but fits in free RAM"
-    why = unified or f"{gib:.2f} GiB fits neither in free device memory nor in free RAM"
+        pinned = "" if pin_budget is None or pin_budget >= need else \
+            f", {pin_budget / GiB:.2f} GiB of it pinned (budget), the rest pageable"
+        return Mode.RAM_ASYNC, f"{gib:.2f} GiB does not fit on the device but fits in free RAM{pinned}"
+    why = f"RAM tiers disabled, {unified}" if unified else \
+        f"{gib:.2f} GiB fits neither in free device memory nor in free RAM"
     return Mode.FILE_ASYNC, why
 
 

@@ -17,6 +17,8 @@ def free_device_memory(device: torch.device, host: HostServices) -> Optional[int
         return host.free_device_memory(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        return free_host_memory(host)
     return None
 
 

@@ -148,8 +148,11 @@ class KVStore:
             self._stats.count_transfer(layout.data_bytes)
 
     def _choose(self, need: int) -> Tuple[Mode, str]:
-        free_dev = free_device_memory(self.device, self._host)
-        mode, why = choose_tier(need, self.device.type, free_dev, free_host_memory(self._host), self._unified)
+        # On a CPU device the "device" memory is host RAM: keeping the cache there or in a RAM tier is the same.
+        unified = self._unified or ("the device is the CPU" if self.device.type == "cpu" else None)
+        budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
+        mode, why = choose_tier(need, free_device_memory(self.device, self._host), free_host_memory(self._host),
+                                unified, budget)
         return mode, f"auto: {why}"
 
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -41,9 +41,9 @@ def test_file_tiers_stay_available_on_unified_memory():
 
 def test_auto_never_picks_ram_on_unified_memory():
     reason = unified_memory_reason(torch.device("cuda", 0), fake_cuda_properties(True))
-    mode, why = choose_tier(4 * GiB, "cuda", free_device=1 * GiB, free_host=64 * GiB, unified=reason)
+    mode, why = choose_tier(4 * GiB, free_device=1 * GiB, free_host=64 * GiB, unified=reason)
     assert mode is Mode.FILE_ASYNC and "unified memory" in why
-    assert choose_tier(4 * GiB, "cuda", 1 * GiB, 64 * GiB, unified=None)[0] is Mode.RAM_ASYNC
-    assert choose_tier(1 * GiB, "cuda", 40 * GiB, 64 * GiB, unified=reason)[0] is Mode.GPU
+    assert choose_tier(4 * GiB, 1 * GiB, 64 * GiB, unified=None)[0] is Mode.RAM_ASYNC
+    assert choose_tier(1 * GiB, 40 * GiB, 64 * GiB, unified=reason)[0] is Mode.GPU
     assert resolve(Mode.RAM_SYNC, reason)[0] is Mode.GPU
     assert resolve(Mode.RAM_SYNC, None) == (Mode.RAM_SYNC, "requested")

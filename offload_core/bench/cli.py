@@ -1,0 +1,103 @@
+"""`python -m offload_core bench`: the speed/memory table of every KV-cache mode on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import hardware, loading, report
+from .measure import measure_row
+from .rows import select_rows
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m offload_core bench", description=__doc__)
+    p.add_argument("--model", metavar="PATH", help="local diffusers folder of Qwen-Image 2.1 or FLUX.2 Klein KV "
+                   "(default: a built-in Qwen-Image 2.1 with random weights, nothing downloaded)")
+    p.add_argument("--device", help="compute device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (default: bfloat16 on cuda, float32 else)")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps per request (default 8)")
+    p.add_argument("--resolution", type=int, default=256,
+                   help="output and condition-image side in pixels, a multiple of 32 (default 256)")
+    p.add_argument("--runs", type=int, default=3, help="timed requests per row after one warm-up (default 3)")
+    p.add_argument("--images", type=int, default=1, help="condition images per request (default 1)")
+    p.add_argument("--modes", help="comma-separated rows: none, gpu_upstream, gpu, ram_sync, ram_async, "
+                   "file_sync_warm, file_async_warm, file_sync_cold, file_async_cold, auto; or the shorthands "
+                   "file_sync, file_async, warm, cold, off (default: all but auto)")
+    p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
+    p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
+    return p
+
+
+def _check(args, parser: argparse.ArgumentParser) -> None:
+    for name, low in (("steps", 2), ("runs", 1), ("images", 1)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} must be >= {low}; got {getattr(args, name)}.")
+    if args.resolution < 32 or args.resolution % 32:
+        parser.error(f"--resolution must be a multiple of 32 (>= 32); got {args.resolution}.")
+    try:
+        args.rows = select_rows(args.modes)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch build has no CUDA device available. Use --device cpu.")
+    default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
+    args.torch_dtype = _DTYPES[args.dtype or default_dtype]
+
+
+def _progress(total: int):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="bench", unit="request", file=sys.stderr, leave=False)
+
+
+def run(args) -> tuple[list[dict], dict, str]:
+    """Measure every selected row; returns (rows, hardware, settings line)."""
+    pipe, description = loading.load(args.model, args.device, args.torch_dtype)
+    rows = args.rows
+    if not loading.supports_no_cache(pipe):
+        rows = [r for r in rows if r.key != "none"]
+    call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
+                                n_images=args.images)
+    bar = _progress(len(rows) * (args.runs + 1))
+    results = []
+    try:
+        for row in rows:
+            if bar is not None:
+                bar.set_description(row.label)
+            results.append(measure_row(pipe, row, call, runs=args.runs, device=args.device,
+                                       on_request=(bar.update if bar is not None else lambda: None)))
+    finally:
+        if bar is not None:
+            bar.close()
+    report.add_ratios(results)
+    dtype = str(args.torch_dtype).replace("torch.", "")
+    settings = (f"{description}; {args.steps} steps, {args.resolution}x{args.resolution}, {args.images} condition "
+                f"image(s), {dtype}; median of {args.runs} after 1 warm-up; full pipeline incl. text encoder and "
+                f"VAE, excl. loading")
+    return results, hardware.describe(args.device), settings
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check(args, parser)
+    rows, hw, settings = run(args)
+    print(report.table(rows, hardware.one_line(hw), settings))
+    if args.json:
+        report.write_json(args.json, rows, hw, {"text": settings, "steps": args.steps, "resolution": args.resolution,
+                                                "runs": args.runs, "images": args.images, "model": args.model,
+                                                "dtype": str(args.torch_dtype), "device": str(args.device)})
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        error = report.write_plot(args.plot, rows, settings)
+        print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
+    return 0

@@ -1,0 +1,59 @@
+"""The pipeline under test: the built-in random Qwen-Image 2.1, or a local diffusers folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import torch
+
+from . import models
+
+# Default built-in model: wide enough that each layer's attention and MLP, not Python, dominate a step on a
+# CPU, small enough that the whole table prints in well under two minutes on two cores.
+BENCH_SIZE = models.TinySize(layers=6, heads=4, head_dim=128, context_dim=64)
+SUPPORTED = ("QwenImage21Pipeline", "Flux2KleinKVPipeline")
+
+
+def load(model: str | None, device: torch.device, dtype: torch.dtype):
+    """(pipeline, description). `model`: None for the built-in one, else a local diffusers folder."""
+    if model is None:
+        pipe = models.qwen21_pipeline(BENCH_SIZE, device=device, dtype=dtype)
+        size = BENCH_SIZE
+        hidden = size.heads * size.head_dim
+        return pipe, f"built-in QwenImage21Pipeline, random weights ({size.layers} layers, hidden {hidden})"
+    index = os.path.join(model, "model_index.json")
+    if not os.path.isfile(index):
+        raise ValueError(f"`--model` must be a local diffusers folder with a model_index.json; got {model!r}.")
+    with open(index) as f:
+        class_name = json.load(f).get("_class_name")
+    if class_name not in SUPPORTED:
+        raise ValueError(
+            f"`--model` {model!r} holds a {class_name}; the benchmark runs {' and '.join(SUPPORTED)} folders.")
+    import diffusers
+
+    pipe = getattr(diffusers, class_name).from_pretrained(model, torch_dtype=dtype, local_files_only=True)
+    pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, f"{class_name} from {model}"
+
+
+def call_factory(pipe, *, builtin: bool, steps: int, resolution: int, n_images: int = 1) -> Callable[[], dict]:
+    """A function returning fresh call kwargs (a new seeded generator each time) for one request."""
+    images = models.condition_images(n_images, size=resolution, seed=1)
+    if builtin:
+        return lambda: models.call_kwargs(pipe, images, steps=steps, resolution=resolution)
+    flux = models.pipeline_kind(pipe) == "flux2"
+    size = {"height": resolution, "width": resolution} if flux else {"output_resolution": resolution}
+
+    def real_kwargs() -> dict:
+        return dict(prompt="a red cat on a blue sky, oil painting", image=list(images), num_inference_steps=steps,
+                    generator=torch.Generator().manual_seed(0), output_type="np", **size)
+
+    return real_kwargs
+
+
+def supports_no_cache(pipe) -> bool:
+    """Only Qwen-Image 2.1 can skip its cache (`use_kv_cache=False`); FLUX.2 Klein KV always caches."""
+    return models.pipeline_kind(pipe) != "flux2"

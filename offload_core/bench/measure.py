@@ -1,0 +1,166 @@
+"""Measure one row: warm-up, then N timed full-pipeline requests with their memory peaks."""
+
+from __future__ import annotations
+
+import gc
+import re
+import statistics
+import time
+from typing import Callable
+
+import psutil
+import torch
+
+from ..diffusers import disable_kv_offload, enable_kv_offload
+from .rows import Row
+
+_TIERS = ("device", "host_pinned", "host_pageable", "file")
+
+
+class RssPeak:
+    """Peak resident set size of this process during a request.
+
+    Linux: the kernel's high-water mark (VmHWM), reset per request through /proc/self/clear_refs, so nothing
+    is missed between samples. Elsewhere: the RSS after the request (a lower bound), flagged as such.
+    """
+
+    def __init__(self):
+        self.exact = self._reset()
+
+    @staticmethod
+    def _reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+    def start(self) -> None:
+        self.exact = self._reset()
+
+    def read(self) -> int:
+        if self.exact:
+            with open("/proc/self/status") as f:
+                match = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
+            if match:
+                return int(match.group(1)) * 1024
+        return psutil.Process().memory_info().rss
+
+
+class UpstreamKVProbe:
+    """Sums the K/V bytes the unpatched pipeline's own cache holds (for the rows without our store)."""
+
+    def __init__(self, transformer):
+        self.caches: list = []
+        self.bytes_at_extract = 0  # FLUX.2 clears its cache before returning: count it as the extract step returns
+        self._handles = [
+            transformer.register_forward_pre_hook(self._seen_input, with_kwargs=True),
+            transformer.register_forward_hook(self._seen_output, with_kwargs=True),
+        ]
+
+    def _seen_input(self, module, args, kwargs):
+        cache = kwargs.get("kv_cache")
+        if cache is not None and all(cache is not c for c in self.caches):
+            self.caches.append(cache)
+
+    def _seen_output(self, module, args, kwargs, output):
+        cache = output[1] if isinstance(output, tuple) and len(output) > 1 else getattr(output, "kv_cache", None)
+        if cache is not None and kwargs.get("kv_cache_mode") == "extract":
+            self.bytes_at_extract += _cache_bytes(cache)
+
+    def total_bytes(self) -> int:
+        return sum(_cache_bytes(c) for c in self.caches) + self.bytes_at_extract
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _cache_bytes(cache) -> int:
+    layers = getattr(cache, "layer_caches", None)
+    if layers is None:
+        layers = [*getattr(cache, "double_block_caches", []), *getattr(cache, "single_block_caches", [])]
+    total = 0
+    for layer in layers:
+        for name in ("k", "v", "k_ref", "v_ref"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_request(pipe, call: Callable[[], object], device: torch.device, rss: RssPeak, session) -> dict:
+    """Run one request; return its latency, peaks and (offloaded rows) the stores' stats."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    probe = None if session is not None else UpstreamKVProbe(pipe.transformer)
+    rss.start()
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        call()
+        _sync(device)
+        latency = time.perf_counter() - start
+    finally:
+        if probe is not None:
+            probe.close()
+    sample = {"latency_s": latency, "peak_rss": rss.read(),
+              "peak_device_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    if session is not None:
+        stats = session.last_stats
+        sample["kv_bytes"] = {t: sum(s["bytes"][t] for s in stats) for t in _TIERS}
+        sample["peak_kv_device"] = sum(s["peak_device_bytes"] for s in stats)
+        sample["exposed_wait_s"] = sum(s["exposed_wait_s"] for s in stats)
+        sample["tiers"] = sorted({s["tier"] for s in stats})
+        sample["page_cache"] = sorted({s["page_cache"] for s in stats if s.get("page_cache")})
+        sample["reasons"] = sorted({s["reason"] for s in stats if s.get("reason")})
+    else:
+        kv = probe.total_bytes()
+        sample["kv_bytes"] = {t: (kv if t == "device" else 0) for t in _TIERS}
+        sample["peak_kv_device"] = kv
+        sample["exposed_wait_s"] = 0.0
+        sample["tiers"] = ["gpu"] if kv else []
+    return sample
+
+
+def measure_row(pipe, row: Row, call_kwargs: Callable[[], dict], *, runs: int, device: torch.device,
+                on_request: Callable[[], None] = lambda: None) -> dict:
+    """Warm up once, then time `runs` requests of `row`; returns the row's summary (see `summarize`)."""
+    session = enable_kv_offload(pipe, row.mode, **row.config) if row.mode else None
+    rss = RssPeak()
+    samples = []
+    try:
+        for index in range(runs + 1):
+            sample = one_request(pipe, lambda: pipe(**call_kwargs(), **row.call_kwargs), device, rss, session)
+            if index > 0:  # the first request is the warm-up
+                samples.append(sample)
+            on_request()
+    finally:
+        if session is not None:
+            disable_kv_offload(pipe)
+    return summarize(row, samples, rss_exact=rss.exact)
+
+
+def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
+    """One table row: medians of latency and exposed wait, maxima of the memory peaks, the last request's bytes."""
+    last = samples[-1]
+    device_peaks = [s["peak_device_allocated"] for s in samples if s["peak_device_allocated"] is not None]
+    return {
+        "key": row.key, "label": row.label, "mode": row.mode, "config": dict(row.config),
+        "latency_s": statistics.median(s["latency_s"] for s in samples),
+        "latencies_s": [s["latency_s"] for s in samples],
+        "peak_device_allocated": max(device_peaks) if device_peaks else None,
+        "peak_kv_device": max(s["peak_kv_device"] for s in samples),
+        "peak_rss": max(s["peak_rss"] for s in samples), "peak_rss_exact": rss_exact,
+        "kv_bytes": last["kv_bytes"],
+        "exposed_wait_s": statistics.median(s["exposed_wait_s"] for s in samples),
+        "tiers": last["tiers"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
+    }

@@ -1,0 +1,91 @@
+"""Render the measured rows: the text table, the JSON file and the latency-vs-memory plot."""
+
+from __future__ import annotations
+
+import json
+
+from .rows import BASELINE_KEY
+
+JSON_VERSION = 1
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _kv_tiers(kv: dict) -> str:
+    parts = [f"{name}={_mib(kv[tier])}" for tier, name in
+             (("device", "dev"), ("host_pinned", "pin"), ("host_pageable", "ram"), ("file", "file")) if kv[tier]]
+    return " ".join(parts) or "-"
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Set each row's `ratio_to_gpu`: latency over the `gpu, upstream lifetime` row's (None if not measured)."""
+    base = next((r["latency_s"] for r in rows if r["key"] == BASELINE_KEY), None)
+    base = base or next((r["latency_s"] for r in rows if r["key"] == "gpu"), None)
+    for row in rows:
+        row["ratio_to_gpu"] = row["latency_s"] / base if base else None
+
+
+def device_memory_column(rows: list[dict]) -> tuple[str, str]:
+    """(field, header) of the device-memory column: allocator peak where CUDA measured it, else KV bytes."""
+    if rows and all(r["peak_device_allocated"] is not None for r in rows):
+        return "peak_device_allocated", "peak device MiB (max_memory_allocated)"
+    return "peak_kv_device", "peak device-resident KV MiB (engine)"
+
+
+def table(rows: list[dict], hardware_line: str, settings: str) -> str:
+    field, device_header = device_memory_column(rows)
+    headers = ["mode", "median s", "x gpu", device_header, "peak RSS MiB", "KV MiB per tier", "exposed wait s"]
+    body = []
+    for r in rows:
+        ratio = "-" if r["ratio_to_gpu"] is None else f"{r['ratio_to_gpu']:.2f}"
+        body.append([r["label"], f"{r['latency_s']:.3f}", ratio, _mib(r[field]), _mib(r["peak_rss"]),
+                     _kv_tiers(r["kv_bytes"]), f"{r['exposed_wait_s']:.3f}"])
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) if i in (0, 5) else c.rjust(w)  # noqa: E731
+                                          for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    out = [line(headers), "|" + "|".join(("-" * (w + 2)) for w in widths) + "|", *map(line, body)]
+    notes = [f"Hardware: {hardware_line}", f"Settings: {settings}"]
+    fallbacks = sorted({reason for r in rows for reason in r["reasons"] if "→" in reason or "->" in reason})
+    if fallbacks:
+        notes.append("Tier fallbacks: " + "; ".join(fallbacks))
+    cold = sorted({pc for r in rows if r["key"].endswith("_cold") for pc in r["page_cache"]})
+    if cold:
+        notes.append(f"Cold file rows bypass the page cache with: {', '.join(cold)}")
+    if not all(r["peak_rss_exact"] for r in rows):
+        notes.append("Peak RSS: sampled after each request (no kernel high-water mark here), a lower bound.")
+    return "\n".join([*out, "", *notes])
+
+
+def write_json(path: str, rows: list[dict], hardware: dict, settings: dict) -> None:
+    field, header = device_memory_column(rows)
+    payload = {"v": JSON_VERSION, "hardware": hardware, "settings": settings,
+               "device_memory_column": {"field": field, "label": header}, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+
+
+def write_plot(path: str, rows: list[dict], title: str) -> str | None:
+    """Save a PNG of latency against peak device memory, one point per row. Returns an error message or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed: `pip install matplotlib`. The plot was skipped."
+    field, header = device_memory_column(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for r in rows:
+        x, y = (r[field] or 0) / 2**20, r["latency_s"]
+        ax.scatter([x], [y])
+        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(header)
+    ax.set_ylabel("median full-pipeline latency (s)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

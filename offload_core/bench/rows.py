@@ -1,0 +1,66 @@
+"""The rows of the benchmark table: which cache setup each one measures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration to measure.
+
+    key: stable id used by `--modes` and in the JSON.
+    label: what the table prints.
+    mode: the `enable_kv_offload` mode, or None for the unpatched pipeline.
+    call_kwargs: extra pipeline call arguments (`use_kv_cache=False` for the no-cache row).
+    config: extra `OffloadConfig` fields (page-cache bypass for the cold file rows).
+    """
+
+    key: str
+    label: str
+    mode: str | None
+    call_kwargs: dict = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+
+
+ALL_ROWS = (
+    Row("none", "no cache", None, call_kwargs={"use_kv_cache": False}),
+    Row("gpu_upstream", "gpu, upstream lifetime", None),
+    Row("gpu", "gpu, pre-VAE cleanup", "gpu"),
+    Row("ram_sync", "ram_sync", "ram_sync"),
+    Row("ram_async", "ram_async", "ram_async"),
+    Row("file_sync_warm", "file_sync, warm", "file_sync", config={"bypass_page_cache": False}),
+    Row("file_async_warm", "file_async, warm", "file_async", config={"bypass_page_cache": False}),
+    Row("file_sync_cold", "file_sync, cold", "file_sync", config={"bypass_page_cache": True}),
+    Row("file_async_cold", "file_async, cold", "file_async", config={"bypass_page_cache": True}),
+)
+AUTO_ROW = Row("auto", "auto", "auto")
+BASELINE_KEY = "gpu_upstream"
+
+# Shorthands accepted by --modes besides the row keys: a mode name selects all its rows.
+_ALIASES = {
+    "off": ("none",),
+    "no_cache": ("none",),
+    "file_sync": ("file_sync_warm", "file_sync_cold"),
+    "file_async": ("file_async_warm", "file_async_cold"),
+    "warm": ("file_sync_warm", "file_async_warm"),
+    "cold": ("file_sync_cold", "file_async_cold"),
+}
+
+
+def select_rows(spec: str | None) -> list[Row]:
+    """Rows named by a comma-separated `--modes` value (None or "all": every row), in table order."""
+    if spec is None or spec.strip() in ("", "all"):
+        return list(ALL_ROWS)
+    by_key = {row.key: row for row in (*ALL_ROWS, AUTO_ROW)}
+    wanted: set[str] = set()
+    for name in (part.strip() for part in spec.split(",")):
+        if not name:
+            continue
+        keys = _ALIASES.get(name, (name,))
+        unknown = [k for k in keys if k not in by_key]
+        if unknown:
+            choices = ", ".join([*by_key, *_ALIASES])
+            raise ValueError(f"`--modes`: unknown row {name!r}. Choose from: {choices} (comma-separated), or 'all'.")
+        wanted.update(keys)
+    return [row for row in (*ALL_ROWS, AUTO_ROW) if row.key in wanted]

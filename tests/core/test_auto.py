@@ -1,0 +1,55 @@
+"""`auto` decides at the first put from the host's free-memory callables, and says why."""
+
+import pytest
+import torch
+
+from offload_core import HostServices, KVStore, Mode, OffloadConfig
+from offload_core.policy import ASSUMED_LAYERS, GiB, RESERVE_BYTES, choose_tier
+
+
+def run_auto(host, expected_bytes=None):
+    k = torch.ones(1, 2, 16, 8)
+    store = KVStore(OffloadConfig(mode="auto"), "cpu", host=host, expected_bytes=expected_bytes)
+    assert store.mode is None  # nothing decided, nothing allocated before the first put
+    store.put(0, k, k)
+    got = store.get(0)[0]
+    stats = store.stats()
+    store.close()
+    assert torch.equal(got, k)
+    return stats
+
+
+def test_auto_keeps_the_cache_on_the_device_when_it_fits():
+    stats = run_auto(HostServices(free_device_memory=lambda d: 64 * GiB, free_host_memory=lambda: 64 * GiB),
+                     expected_bytes=2 * GiB)
+    assert stats["requested"] == "auto" and stats["tier"] == "gpu"
+    assert "fits in free device memory" in stats["reason"]
+
+
+def test_auto_goes_to_files_when_memory_is_short():
+    stats = run_auto(HostServices(free_device_memory=lambda d: 1 * GiB, free_host_memory=lambda: 1 * GiB),
+                     expected_bytes=2 * GiB)
+    assert stats["tier"] == "file_async" and stats["reason"].startswith("auto:")
+
+
+def test_auto_estimates_the_cache_from_the_first_layer_when_not_told():
+    need = 8192 * ASSUMED_LAYERS  # one layer is 8 KiB once K and V are 4 KiB-aligned
+    enough = need + need // 2 + RESERVE_BYTES
+    fits = run_auto(HostServices(free_device_memory=lambda d: enough, free_host_memory=lambda: 0))
+    short = run_auto(HostServices(free_device_memory=lambda d: enough - 1, free_host_memory=lambda: 0))
+    assert fits["tier"] == "gpu" and short["tier"] == "file_async"
+
+
+@pytest.mark.parametrize("free_device, free_host, unified, expected", [
+    (40 * GiB, 64 * GiB, None, Mode.GPU),
+    (2 * GiB, 64 * GiB, None, Mode.RAM_ASYNC),
+    (2 * GiB, 3 * GiB, None, Mode.FILE_ASYNC),
+    (None, None, None, Mode.FILE_ASYNC),  # nothing known: the tier that needs no memory
+])
+def test_choose_tier_table(free_device, free_host, unified, expected):
+    assert choose_tier(4 * GiB, free_device, free_host, unified)[0] is expected
+
+
+def test_partial_pin_budget_is_reported():
+    mode, why = choose_tier(8 * GiB, 2 * GiB, 64 * GiB, None, pin_budget=4 * GiB)
+    assert mode is Mode.RAM_ASYNC and "4.00 GiB of it pinned" in why
