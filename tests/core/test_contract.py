@@ -113,6 +113,7 @@ def test_exception_mid_request_cleans_up(mode, tmp_path):
 def test_default_file_dir_is_private_and_removed():
     with KVStore(OffloadConfig(mode="file_async"), "cpu") as store:
         store.put(0, *make_layers([0], torch.float32)[0])
+        store.get(0)  # the background write is done once the read is back (one FIFO I/O thread)
         directory = store.stats()["file_dir"]
         assert os.path.isdir(directory) and os.listdir(directory)
         assert os.stat(directory).st_mode & 0o077 == 0  # private to this user
