@@ -14,6 +14,7 @@ This module imports no ComfyUI.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid as _uuid
 from dataclasses import dataclass, field
@@ -37,6 +38,18 @@ def repeat_to_batch_size(t: torch.Tensor, batch: int) -> torch.Tensor:
         reps = -(-batch // t.shape[0])
         return t.repeat([reps] + [1] * (t.ndim - 1))[:batch]
     return t
+
+
+@contextlib.contextmanager
+def engine_mode():
+    """Call the engine outside inference mode (and without autograd).
+
+    ComfyUI runs every node under `torch.inference_mode()`; tensors the store allocates there are inference
+    tensors, which the store's background reader threads (not in inference mode) may not update in place.
+    Buffers made here are ordinary tensors; the model still reads them fine inside inference mode.
+    """
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 @dataclass
@@ -147,13 +160,14 @@ class RunState:
     def put(self, u, layer: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Hand one layer's reference K/V of cond `u` to its store (the store copies)."""
         branch = self.branches[u]
-        if branch.store is None:
-            per_layer = 2 * k.numel() * k.element_size()
-            name = f"{self.run_id}/{str(u)[:8]}"
-            branch.store = self.store_factory(self.config, k.device, host=self.host,
-                                              expected_bytes=per_layer * self.n_layers, name=name)
-            self._track(name, branch.store)
-        branch.store.put(layer, k, v)
+        with engine_mode():
+            if branch.store is None:
+                per_layer = 2 * k.numel() * k.element_size()
+                name = f"{self.run_id}/{str(u)[:8]}"
+                branch.store = self.store_factory(self.config, k.device, host=self.host,
+                                                  expected_bytes=per_layer * self.n_layers, name=name)
+                self._track(name, branch.store)
+            branch.store.put(layer, k, v)
         branch.layers.add(layer)
 
     def get(self, u, layer: Hashable):
@@ -164,7 +178,8 @@ class RunState:
                 f"KV Offload: no cached reference K/V for layer {layer!r} of cond {u}; the model ran a layer "
                 "on a cached step that it did not run on the capture step. Use mode 'off' for this graph."
             )
-        return branch.store.get(layer)
+        with engine_mode():
+            return branch.store.get(layer)
 
     def _track(self, name: str, store) -> None:
         self._note_fallback(store)
@@ -199,7 +214,8 @@ class RunState:
     def _drop(self, u) -> None:
         branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
-            branch.store.close()
+            with engine_mode():
+                branch.store.close()
 
     def close(self) -> None:
         """Close every store (finishes or cancels transfers, frees buffers, deletes files). Idempotent."""

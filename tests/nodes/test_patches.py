@@ -220,3 +220,12 @@ def test_options_that_do_not_apply_are_left_out():
     c = config_from_inputs("file_async", prefetch_depth=2, bypass_page_cache=False, pin_budget_mb=64)
     assert (c.prefetch_depth, c.bypass_page_cache, c.pin_budget) == (2, False, 64 << 20)
     assert apply_mod.validation_message(mode="gpu", prefetch_depth=1, bypass_page_cache=True, pin_budget_mb=0) is True
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async", "ram_async"])
+def test_modes_work_under_inference_mode(tmp_path, mode):
+    # ComfyUI executes every node inside torch.inference_mode(); the stores' reader threads are not in it
+    with torch.inference_mode():
+        out = run_mode(mode, tmp_path, cfg=3.0)
+    assert torch.equal(out, run_mode("gpu", tmp_path, cfg=3.0))
+    assert no_files(tmp_path) == []

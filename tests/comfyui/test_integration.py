@@ -1,0 +1,271 @@
+"""Integration suite: a real ComfyUI (`COMFYUI_PATH`, `main.py --cpu` on 127.0.0.1) with the pack loaded.
+
+A tiny random FLUX.2 checkpoint is written at test time and loaded with `UNETLoader`; a tiny Qwen-Image
+model is built in-process by a test-only node (tests/comfyui/testnodes). Graphs go through `POST /prompt`;
+latents come back through `SaveLatent` files and are compared bit for bit: mode `gpu` against ComfyUI's
+own `FluxKVCache`, every lossless mode against `gpu`, with CFG on and off.
+
+Run: COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/python] pytest -m comfyui tests/comfyui
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.comfyui
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+LOSSLESS = ["ram_sync", "ram_async", "file_sync", "file_async", "auto"]
+START_TIMEOUT_S = 180
+RUN_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Comfy:
+    """A running ComfyUI server and the few HTTP calls the tests need (loopback only)."""
+
+    def __init__(self, url: str, base: Path, proc: subprocess.Popen, log: Path):
+        self.url, self.base, self.proc, self.log = url, base, proc, log
+        self.client_id = uuid.uuid4().hex
+
+    def request(self, method: str, path: str, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                raw = r.read()
+                return r.status, (json.loads(raw) if raw else None)
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            return e.code, (json.loads(raw) if raw else None)
+
+    def submit(self, graph: dict) -> tuple[int, dict]:
+        return self.request("POST", "/prompt", {"prompt": graph, "client_id": self.client_id})
+
+    def wait(self, prompt_id: str, timeout: float = RUN_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"ComfyUI exited; log:\n{self.tail()}"
+            _, hist = self.request("GET", f"/history/{prompt_id}")
+            if hist and prompt_id in hist and hist[prompt_id].get("status", {}).get("completed") is not None:
+                entry = hist[prompt_id]
+                if entry["status"].get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.05)
+        raise AssertionError(f"prompt {prompt_id} did not finish in {timeout}s; log:\n{self.tail()}")
+
+    def run(self, graph: dict) -> dict:
+        code, body = self.submit(graph)
+        assert code == 200, f"/prompt refused the graph: {body}"
+        entry = self.wait(body["prompt_id"])
+        assert entry["status"]["status_str"] == "success", f"run failed: {entry['status']}\n{self.tail()}"
+        return entry
+
+    def latent(self, entry: dict, node: str = "save"):
+        from safetensors.torch import load_file
+
+        info = entry["outputs"][node]["latents"][0]
+        return load_file(str(self.base / "output" / info["subfolder"] / info["filename"]))["latent_tensor"]
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kv_files(self) -> list:
+        temp = self.base / "temp"
+        return [str(p) for p in temp.rglob("*") if p.is_file()] if temp.exists() else []
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory):
+    comfy_path = os.environ.get("COMFYUI_PATH")
+    if not comfy_path:
+        pytest.skip("COMFYUI_PATH is not set: the ComfyUI integration suite needs a ComfyUI checkout")
+    comfy_path = Path(comfy_path).resolve()
+    if not (comfy_path / "main.py").is_file():
+        pytest.skip(f"COMFYUI_PATH={comfy_path} has no main.py")
+    python = os.environ.get("COMFYUI_PYTHON", sys.executable)
+    tmp = tmp_path_factory.mktemp("comfy")
+    base, custom, models = tmp / "base", tmp / "custom_nodes", tmp / "models" / "diffusion_models"
+    for d in (base, base / "custom_nodes", custom, models):
+        d.mkdir(parents=True)
+    (custom / "comfyui-kv-offload").symlink_to(ROOT, target_is_directory=True)
+    (custom / "kv_offload_testnodes").symlink_to(HERE / "testnodes", target_is_directory=True)
+    subprocess.run([python, str(HERE / "make_tiny_flux2.py"), str(comfy_path), str(models / "tiny_flux2.safetensors")],
+                   check=True, cwd=tmp, capture_output=True, timeout=300)
+    config = tmp / "extra_model_paths.yaml"
+    config.write_text(f"kv_offload_tests:\n  base_path: {tmp}\n  custom_nodes: custom_nodes\n"
+                      "  diffusion_models: models/diffusion_models\n")
+    port = _free_port()
+    log = tmp / "comfyui.log"
+    cmd = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+           "--extra-model-paths-config", str(config), "--database-url", "sqlite:///:memory:",
+           "--disable-auto-launch"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=comfy_path, stdout=out, stderr=subprocess.STDOUT)
+    server = Comfy(f"http://127.0.0.1:{port}", base, proc, log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, f"ComfyUI exited at start-up; log:\n{server.tail()}"
+            try:
+                code, info = server.request("GET", "/object_info/KVOffloadSettings")
+                if code == 200 and info:
+                    break
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            assert time.monotonic() < deadline, f"ComfyUI did not come up; log:\n{server.tail()}"
+            time.sleep(0.25)
+        yield server
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# --- graphs ---------------------------------------------------------------------------------------------------
+
+_seq = iter(range(1, 1 << 30))
+
+
+def _cache_nodes(graph: dict, model_ref: list, mode, flux_kv) -> list:
+    """Insert FluxKVCache before/after KVOffloadSettings as asked; return the final model link."""
+    if flux_kv == "before":
+        graph["fluxkv"] = {"class_type": "FluxKVCache", "inputs": {"model": model_ref}}
+        model_ref = ["fluxkv", 0]
+    if mode is not None:
+        graph["kvo"] = {"class_type": "KVOffloadSettings",
+                        "inputs": {"model": model_ref, "mode": mode, "prefetch_depth": 1,
+                                   "bypass_page_cache": True, "pin_budget_mb": 0}}
+        model_ref = ["kvo", 0]
+    if flux_kv in ("only", "after"):
+        graph["fluxkv"] = {"class_type": "FluxKVCache", "inputs": {"model": model_ref}}
+        model_ref = ["fluxkv", 0]
+    return model_ref
+
+
+def graph(model: str = "flux2", mode=None, flux_kv=None, cfg: float = 1.0, steps: int = 4, ref_seed: int = 2,
+          seed: int = 7, size: int = 4) -> dict:
+    """UNETLoader / tiny Qwen-Image -> [FluxKVCache] -> [KVOffloadSettings] -> KSampler -> SaveLatent."""
+    flux = model == "flux2"
+    g = {"model": ({"class_type": "UNETLoader",
+                    "inputs": {"unet_name": "tiny_flux2.safetensors", "weight_dtype": "default"}} if flux else
+                   {"class_type": "KVOffloadTestTinyQwenImage", "inputs": {"seed": 0}})}
+    model_ref = _cache_nodes(g, ["model", 0], mode, flux_kv)
+    channels, frames, side = (128, 0, size) if flux else (16, 1, 2 * size)
+    g["text"] = {"class_type": "KVOffloadTestConditioning", "inputs": {"seed": 1, "tokens": 8, "dim": 64}}
+    g["ref"] = {"class_type": "KVOffloadTestLatent",
+                "inputs": {"seed": ref_seed, "channels": channels, "height": side, "width": side, "frames": frames}}
+    g["pos"] = {"class_type": "ReferenceLatent", "inputs": {"conditioning": ["text", 0], "latent": ["ref", 0]}}
+    # the negative keeps the reference latents: with CFG, cond and uncond are batched into one forward
+    g["neg"] = {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["pos", 0]}}
+    g["start"] = {"class_type": "KVOffloadTestLatent",
+                  "inputs": {"seed": 3, "channels": channels, "height": side, "width": side, "frames": frames}}
+    g["sampler"] = {"class_type": "KSampler",
+                    "inputs": {"model": model_ref, "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler",
+                               "scheduler": "simple", "positive": ["pos", 0], "negative": ["neg", 0],
+                               "latent_image": ["start", 0], "denoise": 1.0}}
+    g["save"] = {"class_type": "SaveLatent",
+                 "inputs": {"samples": ["sampler", 0], "filename_prefix": f"kvo/run{next(_seq):05d}"}}
+    return g
+
+
+def sampled(entry: dict) -> bool:
+    """True when KSampler really ran in this prompt (was not served from the execution cache)."""
+    for kind, data in entry["status"].get("messages", []):
+        if kind == "execution_cached" and "sampler" in data.get("nodes", []):
+            return False
+    return True
+
+
+def run_latent(comfy: Comfy, **kwargs):
+    entry = comfy.run(graph(**kwargs))
+    assert sampled(entry), "KSampler was served from the execution cache"
+    return comfy.latent(entry)
+
+
+# --- tests ----------------------------------------------------------------------------------------------------
+
+def test_node_is_registered_with_its_schema(comfy):
+    _, info = comfy.request("GET", "/object_info/KVOffloadSettings")
+    node = info["KVOffloadSettings"]
+    assert node["display_name"] == "KV Offload Settings" and node["category"] == "kv_offload"
+    required = node["input"]["required"]
+    modes = required["mode"][1]["options"] if isinstance(required["mode"][0], str) else required["mode"][0]
+    assert list(modes) == ["auto", "off", "gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
+    for name in ("mode", "prefetch_depth"):
+        assert required[name][1].get("tooltip")
+
+
+def test_invalid_mode_is_rejected_at_validation(comfy):
+    code, body = comfy.submit(graph(mode="warp_speed"))
+    assert code == 400
+    errors = json.dumps(body["node_errors"]["kvo"])
+    assert "`mode` must be one of" in errors and "warp_speed" in errors
+
+
+@pytest.mark.parametrize("model", ["flux2", "qwen_image"])
+@pytest.mark.parametrize("cfg", [1.0, 2.0], ids=["cfg_off", "cfg_on"])
+def test_every_mode_is_bit_exact(comfy, model, cfg):
+    baseline = run_latent(comfy, model=model, flux_kv="only", cfg=cfg)
+    gpu = run_latent(comfy, model=model, mode="gpu", cfg=cfg)
+    assert gpu.equal(baseline), "mode gpu differs from ComfyUI's FluxKVCache"
+    for mode in LOSSLESS:
+        assert run_latent(comfy, model=model, mode=mode, cfg=cfg).equal(gpu), f"mode {mode} differs from gpu"
+    off = run_latent(comfy, model=model, mode="off", cfg=cfg)
+    assert not off.equal(gpu), "mode off matched the cache: the cached path was never taken"
+    assert comfy.kv_files() == []
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_flux_kv_cache_in_the_graph_is_not_doubled(comfy, where):
+    baseline = run_latent(comfy, flux_kv="only", cfg=2.0, ref_seed=11)
+    both = run_latent(comfy, flux_kv=where, mode="ram_sync", cfg=2.0, ref_seed=11)
+    assert both.equal(baseline)
+
+
+def test_changed_reference_between_runs_is_not_served_stale(comfy):
+    first = run_latent(comfy, mode="ram_async", cfg=2.0, ref_seed=21)
+    second = run_latent(comfy, mode="ram_async", cfg=2.0, ref_seed=22)  # same KVOffloadSettings output, cached
+    fresh = run_latent(comfy, flux_kv="only", cfg=2.0, ref_seed=22)
+    assert not second.equal(first)
+    assert second.equal(fresh)
+
+
+def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
+    long_run = graph(mode="file_async", cfg=2.0, steps=5000, size=8, seed=31)
+    code, body = comfy.submit(long_run)
+    assert code == 200, body
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not comfy.kv_files():  # the capture step has written the cache files: sampling is under way
+        assert time.monotonic() < deadline, f"no cache files appeared; log:\n{comfy.tail()}"
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert comfy.request("POST", "/interrupt", {})[0] == 200
+    entry = comfy.wait(body["prompt_id"])
+    kinds = [kind for kind, _ in entry["status"]["messages"]]
+    assert "execution_interrupted" in kinds, entry["status"]
+    assert comfy.kv_files() == []
+    clean = run_latent(comfy, mode="file_async", cfg=2.0, seed=32)
+    assert clean.equal(run_latent(comfy, flux_kv="only", cfg=2.0, seed=32))
+    assert comfy.kv_files() == []

@@ -1,0 +1,79 @@
+"""Test-only ComfyUI nodes for the integration suite (never shipped with the pack).
+
+They make what a text encoder, a VAE and a full-size checkpoint would otherwise provide: seeded random
+conditioning, seeded random latents, and a tiny random Qwen-Image model built in-process (Qwen-Image
+widths are class defaults, so a tiny one cannot be loaded through `UNETLoader`).
+"""
+
+import torch
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.supported_models
+
+
+class KVOffloadTestConditioning:
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
+                             "tokens": ("INT", {"default": 8, "min": 1, "max": 512}),
+                             "dim": ("INT", {"default": 64, "min": 1, "max": 8192})}}
+
+    def make(self, seed, tokens, dim):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, dim, generator=g), {}]],)
+
+
+class KVOffloadTestLatent:
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
+                             "channels": ("INT", {"default": 128, "min": 1, "max": 1024}),
+                             "height": ("INT", {"default": 4, "min": 1, "max": 1024}),
+                             "width": ("INT", {"default": 4, "min": 1, "max": 1024}),
+                             "frames": ("INT", {"default": 0, "min": 0, "max": 64,
+                                                "tooltip": "0: a 4-D image latent; n: 5-D with n frames"})}}
+
+    def make(self, seed, channels, height, width, frames):
+        g = torch.Generator().manual_seed(seed)
+        shape = (1, channels, height, width) if frames == 0 else (1, channels, frames, height, width)
+        return ({"samples": torch.randn(*shape, generator=g)},)
+
+
+class KVOffloadTestTinyQwenImage:
+    """A 2-layer random Qwen-Image(-Edit) transformer: 2 heads of 32, text context 64, 16 latent channels."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
+
+    def make(self, seed):
+        config = comfy.supported_models.QwenImage({"image_model": "qwen_image"})
+        config.unet_config.update(num_layers=2, attention_head_dim=32, num_attention_heads=2,
+                                  joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
+        config.set_inference_dtype(torch.float32, None)
+        model = config.get_model({}, "")
+        g = torch.Generator().manual_seed(seed)
+        sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in model.diffusion_model.state_dict().items()}
+        model.diffusion_model.load_state_dict(sd, strict=True, assign=True)
+        return (comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                                 offload_device=mm.unet_offload_device()),)
+
+
+NODE_CLASS_MAPPINGS = {
+    "KVOffloadTestConditioning": KVOffloadTestConditioning,
+    "KVOffloadTestLatent": KVOffloadTestLatent,
+    "KVOffloadTestTinyQwenImage": KVOffloadTestTinyQwenImage,
+}
