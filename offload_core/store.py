@@ -10,6 +10,7 @@ read it has finished. Without CUDA the same code runs with every fence already c
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from typing import Dict, Hashable, List, Optional, Tuple
@@ -25,6 +26,20 @@ from .stats import StoreStats, default_pin_budget, free_device_memory, free_host
 from .tiers import DeviceTier, FileTier, Pending, RamTier, Tier, TierContext
 
 log = logging.getLogger(__name__)
+
+
+def _engine_mode(method):
+    """Runs a public method outside inference mode and autograd.
+
+    Hosts such as ComfyUI call us under `torch.inference_mode()`: buffers allocated there would be inference
+    tensors, which the file tier's I/O thread (not in inference mode) may not write in place. Ordinary tensors
+    made here are read fine by inference-mode code.
+    """
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+    return wrapper
 
 
 class _Slot:
@@ -101,6 +116,7 @@ class KVStore:
         log.info("KV offload%s: tier %s (%s), prefetch depth %d", f" [{self.name}]" if self.name else "",
                  mode.value, reason, depth)
 
+    @_engine_mode
     def close(self) -> None:
         """Finishes or cancels outstanding transfers, then frees every buffer and deletes every file.
 
@@ -128,6 +144,7 @@ class KVStore:
         self.close()
 
     # -- put / get -------------------------------------------------------------------------------------------
+    @_engine_mode
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
@@ -155,6 +172,7 @@ class KVStore:
                                 unified, budget)
         return mode, f"auto: {why}"
 
+    @_engine_mode
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, bit-identical to what was put.
 

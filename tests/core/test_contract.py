@@ -159,3 +159,18 @@ def test_gpu_tier_keeps_everything_resident():
         stats = store.stats()
     assert stats["peak_resident_layers"] == 8
     assert stats["peak_device_bytes"] == sum(k.nbytes + v.nbytes for k, v in layers.values())
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_works_when_called_under_inference_mode(mode, tmp_path):
+    # ComfyUI samples under torch.inference_mode(); the file tier's I/O thread is outside it.
+    layers = make_layers(range(4), torch.bfloat16, seed=8)
+    with torch.inference_mode():
+        with KVStore(config_for(mode, tmp_path), "cpu") as store:
+            for key, (k, v) in layers.items():
+                store.put(key, k * 1, v * 1)  # inference tensors, as the model produces them there
+            for _ in range(2):
+                for key in layers:
+                    k, v = store.get(key)
+                    assert torch.equal(k, layers[key][0]) and torch.equal((k + 0).float(), layers[key][0].float())
+    assert os.listdir(tmp_path) == []
