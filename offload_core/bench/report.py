@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 
 from .rows import BASELINE_KEY
 
@@ -83,7 +84,7 @@ def write_plot(path: str, rows: list[dict], title: str) -> str | None:
         ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel(header)
     ax.set_ylabel("median full-pipeline latency (s)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
