@@ -14,6 +14,7 @@ No ComfyUI import.
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Optional
 
 import torch
@@ -41,6 +42,7 @@ class PrefixStoreCache:
         self.slots: list = []  # [(key tensor, branch id)]
         self.slot = None
         self._fresh: dict = {}
+        self._ids = itertools.count()
 
     def select(self, key: torch.Tensor, create: bool = True) -> bool:
         self._fresh.clear()
@@ -55,7 +57,7 @@ class PrefixStoreCache:
                 break
         if not create:
             return False
-        sid = ("qwen21", len(self.slots), id(key))
+        sid = ("qwen21", next(self._ids))
         self.run.branches[sid] = Branch()
         self.slots.append((key.detach().clone(), sid))
         self.slot = sid
