@@ -104,6 +104,10 @@ def test_invalid_mode_is_rejected_at_validation(comfy):
     assert code == 400
     errors = json.dumps(body["node_errors"]["kvo"])
     assert "`mode` must be one of" in errors and "warp_speed" in errors
+    bad_depth = graph(mode="ram_async")
+    bad_depth["kvo"]["inputs"]["prefetch_depth"] = 99
+    code, body = comfy.submit(bad_depth)
+    assert code == 400 and "`prefetch_depth` must be between" in json.dumps(body["node_errors"]["kvo"])
 
 
 @pytest.mark.parametrize("model", ["flux2", "qwen_image"])
@@ -128,7 +132,10 @@ def test_flux_kv_cache_in_the_graph_is_not_doubled(comfy, where):
 
 def test_changed_reference_between_runs_is_not_served_stale(comfy):
     first = run_latent(comfy, mode="ram_async", cfg=2.0, ref_seed=21)
-    second = run_latent(comfy, mode="ram_async", cfg=2.0, ref_seed=22)  # same KVOffloadSettings output, cached
+    entry = comfy.run(graph(mode="ram_async", cfg=2.0, ref_seed=22))
+    cached = [n for kind, d in entry["status"]["messages"] if kind == "execution_cached" for n in d["nodes"]]
+    assert "kvo" in cached and sampled(entry)  # the same patched MODEL, served from ComfyUI's cache, reused
+    second = comfy.latent(entry)
     fresh = run_latent(comfy, flux_kv="only", cfg=2.0, ref_seed=22)
     assert not second.equal(first)
     assert second.equal(fresh)
