@@ -48,9 +48,34 @@ class HostBuffer:
             log.debug("host buffer still referenced at release; left to the garbage collector")
 
 
+_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
+
+
 def _cuda_register(tensor: torch.Tensor) -> bool:
     cudart = torch.cuda.cudart()
-    return int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), 0)) == 0
+    if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), _HOST_REGISTER_PORTABLE)) == 0:
+        return True
+    _clear_cuda_error()
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Resets the thread's last CUDA error left by a refused registration.
+
+    Otherwise the next kernel launch check on this thread reports it as its own failure (e.g. "out of memory").
+    """
+    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+    if clear is not None:
+        clear()
+        return
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            ctypes.CDLL(name).cudaGetLastError()
+            return
+        except (OSError, AttributeError):
+            continue
 
 
 def _cuda_unregister(tensor: torch.Tensor) -> None:

@@ -63,6 +63,8 @@ class LayerOrder:
         self.order.append(key)
 
     def observe(self, key: Hashable) -> None:
+        if self._pass and self._pass[-1] == key:
+            return  # the same layer asked for again is not a new pass
         if key in self._seen:
             if self._pass != self.order and self._pass:
                 self.order = list(self._pass)

@@ -44,6 +44,7 @@ class StoreStats:
         self.transfers = 0
         self.transfer_bytes = 0
         self.gets = 0
+        self.misses = 0  # gets whose layer was not already loaded or in flight
 
     def add_device(self, nbytes: int, layers: int) -> None:
         self.device_bytes += nbytes
@@ -88,6 +89,7 @@ class StoreStats:
             "transfers": {"count": self.transfers, "bytes": self.transfer_bytes, "seconds": seconds["transfer"]},
             "exposed_wait_s": seconds["wait"],
             "gets": self.gets,
+            "misses": self.misses,
             "page_cache": info.get("page_cache"),
             "file_dir": info.get("file_dir"),
             "pinned_fallback": fallback is not None,

@@ -127,15 +127,17 @@ class KVStore:
         self.closed = True
         try:
             for slot in self._slots:
-                slot.pending.settle()
+                slot.pending.cancel()
         finally:
-            self._slots, self._current = [], None
-            self._stats.device_bytes = 0
-            self._stats.resident_layers = 0
+            self._current = None
             if self._tier is not None:
-                self._finalizer()
+                self._finalizer()  # background work finished, then buffers freed and files deleted
                 self._streams.resolve(block=True)
                 log.info("KV offload%s: closed; %s", f" [{self.name}]" if self.name else "", self._stats.summary(self._streams))
+            # Device slots go last: no copy into them can be in flight any more.
+            self._slots = []
+            self._stats.device_bytes = 0
+            self._stats.resident_layers = 0
 
     def __enter__(self) -> "KVStore":
         return self
@@ -182,29 +184,37 @@ class KVStore:
         layout = self._layouts.get(key)
         if layout is None:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
-        self._order.observe(key)
         self._stats.gets += 1
         if self._tier.on_device:
             return self._tier.view(key)
         if self._current is not None and self._current.key == key:
-            return views(self._current.buffer, layout)
+            return views(self._current.buffer, layout)  # the same layer again: not a new pass, nothing moves
+        self._order.observe(key)
         self._release_current()
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
         # the consumer is stalled; copies queued on the side stream are not.
         with self._streams.timed("wait"):
-            slot = self._slot_of(key) or self._load(key, self._free_slot())
+            slot = self._slot_of(key)
+            if slot is None:  # not prefetched: the consumer waits for the whole load
+                self._stats.misses += 1
+                slot = self._load(key, self._spare_slot(keep=()))
             self._prefetch_after(key)
-            slot.pending.wait(self._streams.consumer())
+            try:
+                slot.pending.wait(self._streams.consumer())
+            except BaseException:
+                slot.key = None  # what the slot holds is unknown now: never serve it
+                raise
         self._current = slot
         return views(slot.buffer, layout)
 
     def _prefetch_after(self, key: Hashable) -> None:
-        for ahead in self._order.ahead(key, self.depth):
-            if self._slot_of(ahead) is None:
-                free = self._free_slot(strict=True)
-                if free is None:
+        ahead = self._order.ahead(key, self.depth)
+        for nxt in ahead:
+            if self._slot_of(nxt) is None:
+                spare = self._spare_slot(keep={key, *ahead})
+                if spare is None:
                     return
-                self._load(ahead, free)
+                self._load(nxt, spare)
 
     def _release_current(self) -> None:
         if self._current is not None:
@@ -217,11 +227,14 @@ class KVStore:
     def _slot_of(self, key: Hashable) -> Optional[_Slot]:
         return next((s for s in self._slots if s.key == key), None)
 
-    def _free_slot(self, strict: bool = False) -> Optional[_Slot]:
-        free = next((s for s in self._slots if s.key is None), None)
-        if free is None and not strict:
-            free = self._slots[0]  # every slot holds a mispredicted prefetch: reuse one (copies stay FIFO)
-        return free
+    def _spare_slot(self, keep) -> Optional[_Slot]:
+        """An empty slot, else one holding a prefetch no longer expected (skipped block, changed order).
+
+        Reusing a slot with a load still in flight is safe: copies into it are queued first-in-first-out on
+        one stream (and one I/O thread), and each waits for the slot's release fence.
+        """
+        empty = next((s for s in self._slots if s.key is None), None)
+        return empty or next((s for s in self._slots if s.key not in keep), None)
 
     def _load(self, key: Hashable, slot: _Slot) -> _Slot:
         layout = self._layouts[key]
@@ -229,9 +242,13 @@ class KVStore:
             slot.pending.settle()  # the old buffer may still be the target of a copy
             old = slot.buffer.numel() if slot.buffer is not None else 0
             slot.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=self.device)
+            # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
+            # a copy on the side stream must not start before they have run.
+            slot.release = self._streams.record()
             self._stats.add_device(layout.data_bytes - old, layers=0)
-        slot.key = key
+        slot.key = None  # set only once the load is queued: a failed load must never be served
         slot.pending = self._tier.load(key, slot.buffer, slot.release)
+        slot.key = key
         self._stats.count_transfer(layout.data_bytes)
         self._stats.set_resident(sum(1 for s in self._slots if s.key is not None))
         return slot

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from . import hardware, loading, report
-from .measure import measure_row
+from .measure import measure_rows
 from .rows import select_rows
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", help="comma-separated rows: none, gpu_upstream, gpu, ram_sync, ram_async, "
                    "file_sync_warm, file_async_warm, file_sync_cold, file_async_cold, auto; or the shorthands "
                    "file_sync, file_async, warm, cold, off (default: all but auto)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, torch's default "
+                   "otherwise; on a busy machine, OpenMP threads waiting for each other at every op can make a "
+                   "multi-threaded CPU run 10-30x slower)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
     p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
     return p
@@ -47,6 +50,8 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch build has no CUDA device available. Use --device cpu.")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1; got {args.threads}.")
     default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
     args.torch_dtype = _DTYPES[args.dtype or default_dtype]
 
@@ -68,13 +73,14 @@ def run(args) -> tuple[list[dict], dict, str]:
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
                                 n_images=args.images)
     bar = _progress(len(rows) * (args.runs + 1))
-    results = []
+
+    def advance(row) -> None:
+        if bar is not None:
+            bar.set_description(row.label)
+            bar.update()
+
     try:
-        for row in rows:
-            if bar is not None:
-                bar.set_description(row.label)
-            results.append(measure_row(pipe, row, call, runs=args.runs, device=args.device,
-                                       on_request=(bar.update if bar is not None else lambda: None)))
+        results = measure_rows(pipe, rows, call, runs=args.runs, device=args.device, on_request=advance)
     finally:
         if bar is not None:
             bar.close()
@@ -90,12 +96,16 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(args, parser)
+    threads = args.threads or (1 if args.device.type == "cpu" else None)
+    if threads:
+        torch.set_num_threads(threads)
     rows, hw, settings = run(args)
     print(report.table(rows, hardware.one_line(hw), settings))
     if args.json:
-        report.write_json(args.json, rows, hw, {"text": settings, "steps": args.steps, "resolution": args.resolution,
-                                                "runs": args.runs, "images": args.images, "model": args.model,
-                                                "dtype": str(args.torch_dtype), "device": str(args.device)})
+        report.write_json(args.json, rows, hw, {
+            "text": settings, "steps": args.steps, "resolution": args.resolution, "runs": args.runs,
+            "images": args.images, "model": args.model, "dtype": str(args.torch_dtype), "device": str(args.device),
+            "threads": torch.get_num_threads()})
         print(f"JSON written to {args.json}")
     if args.plot:
         error = report.write_plot(args.plot, rows, settings)

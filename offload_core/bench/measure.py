@@ -131,22 +131,32 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
     return sample
 
 
-def measure_row(pipe, row: Row, call_kwargs: Callable[[], dict], *, runs: int, device: torch.device,
-                on_request: Callable[[], None] = lambda: None) -> dict:
-    """Warm up once, then time `runs` requests of `row`; returns the row's summary (see `summarize`)."""
+def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: torch.device, rss: RssPeak) -> dict:
+    """Enable the row's mode, run one request, disable again: one sample of `row`."""
     session = enable_kv_offload(pipe, row.mode, **row.config) if row.mode else None
-    rss = RssPeak()
-    samples = []
     try:
-        for index in range(runs + 1):
-            sample = one_request(pipe, lambda: pipe(**call_kwargs(), **row.call_kwargs), device, rss, session)
-            if index > 0:  # the first request is the warm-up
-                samples.append(sample)
-            on_request()
+        return one_request(pipe, lambda: pipe(**call_kwargs(), **row.call_kwargs), device, rss, session)
     finally:
         if session is not None:
             disable_kv_offload(pipe)
-    return summarize(row, samples, rss_exact=rss.exact)
+
+
+def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs: int, device: torch.device,
+                 on_request: Callable[[Row], None] = lambda row: None) -> list[dict]:
+    """One warm-up round, then `runs` timed rounds; each round runs every row once, in table order.
+
+    Round-robin rather than row after row: a load that comes and goes (another job on a shared machine, a
+    thermal limit) then slows every row alike instead of whichever rows happened to run during it.
+    """
+    rss = RssPeak()
+    samples: dict[str, list[dict]] = {row.key: [] for row in rows}
+    for round_index in range(runs + 1):
+        for row in rows:
+            sample = request_for_row(pipe, row, call_kwargs, device, rss)
+            if round_index > 0:  # round 0 is the warm-up
+                samples[row.key].append(sample)
+            on_request(row)
+    return [summarize(row, samples[row.key], rss_exact=rss.exact) for row in rows]
 
 
 def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:

@@ -42,6 +42,13 @@ class Pending:
             self._future = None
         self._fence.make_wait(stream)
 
+    def cancel(self) -> None:
+        """Drops the load if it has not started yet, else waits for it (used by close)."""
+        if self._future is not None and self._future.cancel():
+            self._future = None
+            return
+        self.settle()
+
     def settle(self) -> None:
         """Waits for the load to finish completely, swallowing its error (used when cancelling)."""
         try:

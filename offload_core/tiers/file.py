@@ -56,12 +56,16 @@ class _StagingPool:
             item = self._free.get(timeout=TRANSFER_TIMEOUT_S)
         except queue.Empty:
             raise TimeoutError(f"KV offload: no staging buffer came free in {TRANSFER_TIMEOUT_S:.0f} s") from None
-        item[1].synchronize()  # the device copy out of this buffer has finished: safe to overwrite
-        if item[0] is None or item[0].nbytes < nbytes:
-            if item[0] is not None:
-                self._allocator.free(item[0])
-            item[0] = None
-            item[0] = self._allocator.alloc(nbytes)
+        try:
+            item[1].synchronize()  # the device copy out of this buffer has finished: safe to overwrite
+            if item[0] is None or item[0].nbytes < nbytes:
+                if item[0] is not None:
+                    self._allocator.free(item[0])
+                item[0] = None
+                item[0] = self._allocator.alloc(nbytes)
+        except BaseException:
+            self._free.put(item)  # a failed allocation must not shrink the pool (the next acquire would hang)
+            raise
         return item
 
     def release(self, item: list, fence: Fence = DONE) -> None:
@@ -102,11 +106,15 @@ class FileTier(Tier):
         entry = _LayerFile(os.path.join(self.directory, f"layer-{len(self._files):05d}.safetensors"), header, layout)
         item = self._pool.acquire(entry.total)
         staging = item[0]
-        staging.memory()[:len(header)] = header
-        with self._ctx.streams.timed("transfer"):
-            # On the consumer's stream: ordered after the producer and before anything that could change k/v.
-            copy_in(staging.tensor[len(header):entry.total], layout, k, v, non_blocking=staging.pinned)
-        copied = self._ctx.streams.record()
+        try:
+            staging.memory()[:len(header)] = header
+            with self._ctx.streams.timed("transfer"):
+                # On the consumer's stream: ordered after the producer and before anything that changes k/v.
+                copy_in(staging.tensor[len(header):entry.total], layout, k, v, non_blocking=staging.pinned)
+            copied = self._ctx.streams.record()
+        except BaseException:
+            self._pool.release(item)
+            raise
         item[1] = copied  # if the write is cancelled, closing the pool still waits for this copy
 
         def write() -> None:
@@ -160,11 +168,13 @@ class FileTier(Tier):
         return {"page_cache": self.cache_mode, "file_dir": self.directory, "files": len(self._files)}
 
     def close(self) -> None:
-        if self._io is not None:
-            # Queued jobs are cancelled; a running one finishes (its reads and writes are bounded) before we
-            # free the buffers it uses or delete the files it touches.
-            self._io.shutdown(wait=True, cancel_futures=True)
-            self._io = None
-        self._pool.close()
-        self._files.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            if self._io is not None:
+                # Queued jobs are cancelled; a running one finishes (its reads and writes are bounded) before
+                # we free the buffers it uses or delete the files it touches.
+                self._io.shutdown(wait=True, cancel_futures=True)
+                self._io = None
+            self._pool.close()
+        finally:
+            self._files.clear()
+            shutil.rmtree(self.directory, ignore_errors=True)

@@ -174,3 +174,38 @@ def test_works_when_called_under_inference_mode(mode, tmp_path):
                     k, v = store.get(key)
                     assert torch.equal(k, layers[key][0]) and torch.equal((k + 0).float(), layers[key][0].float())
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["ram_async", "file_async"])
+def test_prefetch_recovers_from_skipped_layers_and_repeated_gets(mode, tmp_path):
+    # Step 0 uses every layer; later steps skip layer 2 (a branch dropping a block) and ask for layer 0 twice.
+    layers = make_layers(range(6), torch.float32, seed=9, shape=(1, 1, 8, 8))
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        for key in range(6):
+            store.get(key)
+        for step in range(4):
+            if step == 2:
+                misses = store.stats()["misses"]
+            for key in (0, 0, 1, 3, 4, 5):
+                k, v = store.get(key)
+                assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
+        # Once the new order is learned, every layer was already in flight when asked for.
+        assert store.stats()["misses"] == misses
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_a_failed_load_is_never_served_later(mode, tmp_path):
+    layers = make_layers(range(4), torch.float32, seed=10)
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        assert torch.equal(store.get(0)[0], layers[0][0])  # every write is done once a read is back
+        os.unlink(os.path.join(store.stats()["file_dir"], "layer-00002.safetensors"))
+        assert torch.equal(store.get(1)[0], layers[1][0])  # prefetches layer 2 on file_async: that read fails
+        for _ in range(2):  # asking again must fail again, not return what the slot held before
+            with pytest.raises(Exception, match="layer-00002.safetensors"):
+                store.get(2)
+        assert torch.equal(store.get(3)[0], layers[3][0])
+    assert os.listdir(tmp_path) == []
