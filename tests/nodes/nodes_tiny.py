@@ -15,15 +15,15 @@ import torch.nn.functional as F
 
 
 class TinyDiT(torch.nn.Module):
-    def __init__(self, hidden=32, heads=2, double=2, single=2, seed=0):
+    def __init__(self, hidden=32, heads=2, double=2, single=2, seed=0, device="cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.heads = heads
         self.double_blocks, self.single_blocks = [None] * double, [None] * single  # what detection looks at
         self.default_ref_method = "index"
         self.blocks = [("double", i) for i in range(double)] + [("single", i) for i in range(single)]
-        self.qkv = [torch.randn(hidden, 3 * hidden, generator=g) * hidden ** -0.5 for _ in self.blocks]
-        self.proj = [torch.randn(hidden, hidden, generator=g) * hidden ** -0.5 for _ in self.blocks]
+        self.qkv = [(torch.randn(hidden, 3 * hidden, generator=g) * hidden ** -0.5).to(device) for _ in self.blocks]
+        self.proj = [(torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).to(device) for _ in self.blocks]
 
     def forward(self, img, ref, txt, transformer_options):
         wrappers = list(transformer_options.get("wrappers", {}).get("diffusion_model", {}).values())

@@ -34,27 +34,27 @@ class Recorder:
         self.calls.append("final")
 
 
-def inputs(seed=0, cfg=False):
+def inputs(seed=0, cfg=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     n = 2 if cfg else 1
-    noise = torch.randn(1, 6, 32, generator=g)
-    refs = [torch.randn(1, 5, 32, generator=g) for _ in range(n)]
-    txts = [torch.randn(1, 3, 32, generator=g) for _ in range(n)]
+    noise = torch.randn(1, 6, 32, generator=g).to(device)
+    refs = [torch.randn(1, 5, 32, generator=g).to(device) for _ in range(n)]
+    txts = [torch.randn(1, 3, 32, generator=g).to(device) for _ in range(n)]
     return noise, refs, txts
 
 
-def run_mode(mode, tmp_path, seed=0, cfg=None, batched=True, telemetry=None, fail_at=None, refs=None):
-    dm = TinyDiT()
+def run_mode(mode, tmp_path, seed=0, cfg=None, batched=True, telemetry=None, fail_at=None, refs=None, device="cpu"):
+    dm = TinyDiT(device=device)
     host = HostServices(temp_dir=lambda: str(tmp_path))
     patched, _ = apply_offload(FakePatcher(dm), config_from_inputs(mode), host=lambda patcher: host,
                                store_factory=KVStore, telemetry=telemetry)
-    noise, r, txts = inputs(seed, cfg is not None)
+    noise, r, txts = inputs(seed, cfg is not None, device)
     return sample(dm, patched.options(), noise, refs or r, txts, cfg=cfg, batched=batched, fail_at=fail_at)
 
 
-def run_flux_kv_cache(seed=0, cfg=None, batched=True):
-    dm = TinyDiT()
-    noise, refs, txts = inputs(seed, cfg is not None)
+def run_flux_kv_cache(seed=0, cfg=None, batched=True, device="cpu"):
+    dm = TinyDiT(device=device)
+    noise, refs, txts = inputs(seed, cfg is not None, device)
     return sample(dm, {"transformer_options": FluxKVCacheReference().options()}, noise, refs, txts,
                   cfg=cfg, batched=batched)
 
@@ -228,4 +228,16 @@ def test_modes_work_under_inference_mode(tmp_path, mode):
     with torch.inference_mode():
         out = run_mode(mode, tmp_path, cfg=3.0)
     assert torch.equal(out, run_mode("gpu", tmp_path, cfg=3.0))
+    assert no_files(tmp_path) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", LOSSLESS)
+def test_every_mode_is_bit_exact_on_cuda(tmp_path, mode):
+    # side streams, pinned buffers and the prefetch ring on a real device, under ComfyUI's inference mode
+    with torch.inference_mode():
+        gpu = run_mode("gpu", tmp_path, cfg=3.0, device="cuda")
+        assert torch.equal(gpu, run_flux_kv_cache(cfg=3.0, device="cuda"))
+        assert torch.equal(run_mode(mode, tmp_path, cfg=3.0, device="cuda"), gpu)
     assert no_files(tmp_path) == []
