@@ -24,6 +24,20 @@ from .state import RUN_KEY, Branch, repeat_to_batch_size
 OPTIONS_KEY = "qwen_image21_cache"
 
 
+def qwen21_support() -> str:
+    """One sentence on whether this ComfyUI has Qwen-Image 2.1 (its prefix-cache seam), for the node's help."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("comfy.ldm.qwen_image21.model") is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return "Qwen-Image 2.1: supported through the model's own prefix cache."
+    return ("Qwen-Image 2.1: not in this ComfyUI version (it arrived after v0.33.0); update ComfyUI to use it. "
+            "The other models work as usual.")
+
+
 def has_prefix_cache(diffusion_model) -> bool:
     """True when the model exposes the Qwen-Image 2.1 prefix-cache seam."""
     return callable(getattr(diffusion_model, "select_prefix_cache", None)) and hasattr(diffusion_model, "transformer_blocks")

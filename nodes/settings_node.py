@@ -8,6 +8,7 @@ from ..offload_core import KVStore
 from ..offload_core.config import MAX_PREFETCH_DEPTH
 from .apply import MODES, apply_offload, config_from_inputs, validation_message
 from .host import comfy_host_services
+from .qwen21 import qwen21_support
 
 try:  # the memory readout's hub; absent in a checkout without it
     from .telemetry import TELEMETRY
@@ -34,7 +35,7 @@ class KVOffloadSettings(io.ComfyNode):
             category="kv_offload",
             description="Moves the reference-image attention K/V cache of FLUX.2 Klein KV, Qwen-Image, "
                         "Qwen-Image-Edit and Qwen-Image 2.1 out of VRAM and brings each layer back just "
-                        "before it is needed.",
+                        "before it is needed. " + qwen21_support(),
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit) or Qwen-Image 2.1 model."),
                 io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),

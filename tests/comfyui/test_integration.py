@@ -11,7 +11,9 @@ Run: COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/python] pytest -m co
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,6 +95,9 @@ def test_node_is_registered_with_its_schema(comfy):
     assert list(modes) == ["auto", "off", "gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
     for name in ("mode", "prefetch_depth"):
         assert required[name][1].get("tooltip")
+    has_21 = (Path(os.environ["COMFYUI_PATH"]) / "comfy" / "ldm" / "qwen_image21").is_dir()
+    assert ("supported through the model's own prefix cache" if has_21 else "not in this ComfyUI version") \
+        in node["description"]
     # the entry point also registers the memory monitor's node and its read-only route
     code, monitor = comfy.request("GET", "/object_info/KVMemoryMonitor")
     assert code == 200 and "KVMemoryMonitor" in monitor
