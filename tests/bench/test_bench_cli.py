@@ -1,0 +1,99 @@
+"""The benchmark command: row selection, the full table and JSON on a short run, the plot's fallback."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("diffusers", reason="the benchmark needs diffusers 0.42")
+
+from offload_core.bench import main, report  # noqa: E402
+from offload_core.bench.measure import RssPeak  # noqa: E402
+from offload_core.bench.rows import ALL_ROWS, select_rows  # noqa: E402
+
+COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device", "peak_rss", "kv_bytes",
+           "exposed_wait_s", "tiers", "label", "key"}
+
+
+def test_default_rows_are_the_nine_of_the_table():
+    assert [r.key for r in select_rows(None)] == [
+        "none", "gpu_upstream", "gpu", "ram_sync", "ram_async",
+        "file_sync_warm", "file_async_warm", "file_sync_cold", "file_async_cold"]
+    assert select_rows("all") == list(ALL_ROWS)
+
+
+def test_mode_shorthands_select_rows_in_table_order():
+    assert [r.key for r in select_rows("cold,gpu")] == ["gpu", "file_sync_cold", "file_async_cold"]
+    assert [r.key for r in select_rows("file_async, off")] == ["none", "file_async_warm", "file_async_cold"]
+    assert [r.key for r in select_rows("auto")] == ["auto"]
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"unknown row 'vram'.*ram_sync"):
+        select_rows("gpu,vram")
+
+
+@pytest.mark.parametrize("argv", [["--resolution", "100"], ["--runs", "0"], ["--modes", "bogus"]])
+def test_bad_arguments_exit_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_short_run_prints_the_table_and_writes_every_row_and_column(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    modes = "none,gpu_upstream,gpu,ram_sync,ram_async,file_sync_cold,file_async_warm"
+    assert main(["--runs", "1", "--steps", "2", "--resolution", "64", "--modes", modes,
+                 "--json", str(out_json), "--plot", str(out_png)]) == 0
+    printed = capsys.readouterr().out
+    for label in ("no cache", "gpu, upstream lifetime", "gpu, pre-VAE cleanup", "ram_async", "file_sync, cold"):
+        assert label in printed
+    assert "Hardware:" in printed and "peak device-resident KV MiB (engine)" in printed
+
+    data = json.loads(out_json.read_text())
+    rows = {r["key"]: r for r in data["rows"]}
+    assert list(rows) == [r.key for r in select_rows(modes)]
+    assert all(COLUMNS <= set(r) for r in rows.values())
+    assert data["hardware"]["cpu_count"] >= 1 and data["settings"]["steps"] == 2
+    assert rows["gpu_upstream"]["ratio_to_gpu"] == pytest.approx(1.0)
+    # The same K/V, wherever it lives: the upstream cache, our gpu tier, RAM and files hold identical byte counts.
+    kv = rows["gpu_upstream"]["kv_bytes"]["device"]
+    assert kv > 0 and rows["none"]["kv_bytes"]["device"] == 0
+    assert rows["gpu"]["kv_bytes"]["device"] == kv
+    assert rows["ram_sync"]["kv_bytes"]["host_pageable"] + rows["ram_sync"]["kv_bytes"]["host_pinned"] == kv
+    # (the cold file tier aligns each tensor to a 4 KiB block for O_DIRECT: at most one block of padding per tensor)
+    layers = 2 * 6
+    assert kv <= rows["file_sync_cold"]["kv_bytes"]["file"] <= kv + layers * 4096
+    # Offloaded tiers keep less of it on the device than the whole cache.
+    assert rows["ram_sync"]["peak_kv_device"] < rows["gpu"]["peak_kv_device"] == kv
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    row = {"label": "gpu", "latency_s": 1.0, "peak_device_allocated": None, "peak_kv_device": 1}
+    message = report.write_plot(str(tmp_path / "p.png"), [row], "t")
+    assert "pip install matplotlib" in message and not (tmp_path / "p.png").exists()
+
+
+def test_rss_peak_sees_a_transient_allocation():
+    import numpy as np
+
+    rss = RssPeak()
+    if not rss.exact:
+        pytest.skip("no resettable kernel RSS high-water mark on this platform")
+    rss.start()
+    base = rss.read()
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    del block
+    assert rss.read() >= base + 60 * 2**20
+    rss.start()
+    assert rss.read() < base + 60 * 2**20
+
+
+def test_module_entry_point_runs_the_benchmark_parser():
+    done = subprocess.run([sys.executable, "-m", "offload_core", "bench", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "--model PATH" in done.stdout and "--plot FILE" in done.stdout
