@@ -32,9 +32,12 @@ function injectStyle() {
   overflow: hidden auto; box-sizing: border-box; padding: 2px 4px; pointer-events: auto; }
 .kvo-section { margin: 3px 0 1px; font-weight: bold; opacity: .8; }
 .kvo-row { position: relative; white-space: nowrap; overflow: hidden; text-overflow: ellipsis; height: ${ROW_PX}px; }
-.kvo-bar { position: absolute; left: 0; bottom: 1px; height: 2px; background: var(--p-primary-color, #4a9eff); }
+.kvo-track { position: absolute; left: 0; right: 0; bottom: 1px; height: 2px; background: rgba(128,128,128,.25); }
+.kvo-bar { height: 100%; background: var(--p-primary-color, #4a9eff); }
 .kvo-scope { opacity: .6; }
-.kvo-compact .kvo-row { height: ${ROW_PX - 3}px; }`;
+.kvo-compact .kvo-row { height: ${ROW_PX - 3}px; }
+.kvo-sidebar { padding: 8px; }
+.kvo-sidebar .kvo-row { white-space: normal; height: auto; min-height: ${ROW_PX}px; padding-bottom: 3px; }`;
   document.head.appendChild(style);
 }
 
@@ -60,10 +63,13 @@ function rowElement(r) {
   el.appendChild(value);
   el.title = lead + r.value;
   if (r.bar !== null && r.bar !== undefined) {
+    const track = document.createElement("div");
+    track.className = "kvo-track";
     const bar = document.createElement("div");
     bar.className = "kvo-bar";
     bar.style.width = `${r.bar}%`;
-    el.appendChild(bar);
+    track.appendChild(bar);
+    el.appendChild(track);
   }
   return el;
 }
@@ -141,7 +147,7 @@ function registerSidebar() {
     render(container) {
       injectStyle();
       const root = document.createElement("div");
-      root.className = "kvo-readout";
+      root.className = "kvo-readout kvo-sidebar";
       root.dataset.kvOffload = "sidebar";
       container.replaceChildren(root);
       const view = { render: (payload) => renderFull(root, payload) };

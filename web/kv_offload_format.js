@@ -41,7 +41,7 @@ export function formatDuration(s) {
   const a = Math.abs(s);
   if (a === 0) return "0 ms";
   if (a < 1e-3) return `${Math.round(s * 1e6)} \u00b5s`;
-  if (a < 1) return `${(s * 1e3).toFixed(a < 0.01 ? 2 : 1)} ms`;
+  if (a < 1) return `${(s * 1e3).toFixed(a < 0.01 ? 2 : a < 0.1 ? 1 : 0)} ms`;
   if (a < 60) return `${s.toFixed(2)} s`;
   return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
 }

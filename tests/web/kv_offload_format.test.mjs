@@ -49,6 +49,7 @@ test("durations and rates", () => {
   assert.equal(formatDuration(0.00085), "850 \u00b5s");
   assert.equal(formatDuration(0.0042), "4.20 ms");
   assert.equal(formatDuration(0.0123), "12.3 ms");
+  assert.equal(formatDuration(0.2915), "292 ms");
   assert.equal(formatDuration(1.2), "1.20 s");
   assert.equal(formatDuration(125), "2 min 5 s");
   assert.equal(formatRate(25 * GiB), "25.0 GiB/s");
