@@ -183,6 +183,30 @@ def _screenshot_path(tmp_path: Path) -> Path:
     return folder / "kv_memory_monitor.png"
 
 
+WIDGET_TYPES = {"INT", "FLOAT", "BOOLEAN", "STRING", "COMBO"}
+
+SERIALIZE_JS = """(async () => {
+  const app = window.comfyAPI.app.app;
+  const workflow = app.graph.serialize();
+  const prompt = await app.graphToPrompt();
+  return { values: Object.fromEntries(workflow.nodes.map((n) => [n.type, n.widgets_values ?? []])),
+           inputs: Object.fromEntries(Object.values(prompt.output).map((n) => [n.class_type, Object.keys(n.inputs)])) };
+})()"""
+
+
+def _check_widgets_stay_out_of_workflow_and_prompt(comfy, page) -> None:  # noqa: F811
+    """The readouts are displays: they add no value to a saved workflow and no input to a queued prompt."""
+    _, info = comfy.request("GET", "/object_info/KVOffloadSettings")
+    spec = info["KVOffloadSettings"]["input"]
+    declared = {**spec.get("required", {}), **spec.get("optional", {})}
+    widget_inputs = [name for name, (kind, *_) in declared.items() if isinstance(kind, list) or kind in WIDGET_TYPES]
+    got = page.eval(SERIALIZE_JS)
+    assert len(got["values"]["KVOffloadSettings"]) == len(widget_inputs)
+    assert got["values"]["KVMemoryMonitor"] == []
+    assert sorted(got["inputs"]["KVOffloadSettings"]) == sorted(widget_inputs)  # the MODEL link is unconnected
+    assert got["inputs"].get("KVMemoryMonitor", []) == []
+
+
 def _close_dialogs(page) -> None:
     """A fresh profile opens the templates browser; Escape closes it so the screenshot shows the canvas."""
     for kind in ("keyDown", "keyUp"):
@@ -200,6 +224,7 @@ def _compare(page) -> dict:
 def test_readout_changes_during_a_run_and_ends_on_the_route_snapshot(comfy, page, tmp_path):  # noqa: F811
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
     _place_nodes(page)
+    _check_widgets_stay_out_of_workflow_and_prompt(comfy, page)
     # 1. A long run, stopped once the widget has changed a few times: the check does not depend on CPU speed,
     #    and it covers the final snapshot of an interrupted run.
     code, body = comfy.submit(graph(mode="ram_sync", steps=5000, size=4, seed=int(time.time())))
