@@ -67,9 +67,10 @@ def _progress(total: int):
 def run(args) -> tuple[list[dict], dict, str]:
     """Measure every selected row; returns (rows, hardware, settings line)."""
     pipe, description = loading.load(args.model, args.device, args.torch_dtype)
-    rows = args.rows
-    if not loading.supports_no_cache(pipe):
+    rows, skipped = args.rows, ""
+    if not loading.supports_no_cache(pipe) and any(r.key == "none" for r in rows):
         rows = [r for r in rows if r.key != "none"]
+        skipped = "; no 'no cache' row: FLUX.2 Klein KV has no uncached mode"
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
                                 n_images=args.images)
     bar = _progress(len(rows) * (args.runs + 1))
@@ -88,7 +89,7 @@ def run(args) -> tuple[list[dict], dict, str]:
     dtype = str(args.torch_dtype).replace("torch.", "")
     settings = (f"{description}; {args.steps} steps, {args.resolution}x{args.resolution}, {args.images} condition "
                 f"image(s), {dtype}; median of {args.runs} after 1 warm-up; full pipeline incl. text encoder and "
-                f"VAE, excl. loading")
+                f"VAE, excl. loading{skipped}")
     return results, hardware.describe(args.device), settings
 
 

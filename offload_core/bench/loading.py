@@ -46,12 +46,20 @@ def call_factory(pipe, *, builtin: bool, steps: int, resolution: int, n_images: 
         return lambda: models.call_kwargs(pipe, images, steps=steps, resolution=resolution)
     flux = models.pipeline_kind(pipe) == "flux2"
     size = {"height": resolution, "width": resolution} if flux else {"output_resolution": resolution}
+    if flux:
+        size["text_encoder_out_layers"] = _flux2_text_layers(pipe.text_encoder)
 
     def real_kwargs() -> dict:
         return dict(prompt="a red cat on a blue sky, oil painting", image=list(images), num_inference_steps=steps,
                     generator=torch.Generator().manual_seed(0), output_type="np", **size)
 
     return real_kwargs
+
+
+def _flux2_text_layers(text_encoder) -> tuple[int, ...]:
+    """The pipeline's default hidden-state taps (9, 18, 27), or the same thirds of a shallower encoder."""
+    depth = text_encoder.config.num_hidden_layers
+    return (9, 18, 27) if depth >= 27 else tuple(max(1, depth * k // 3) for k in (1, 2, 3))
 
 
 def supports_no_cache(pipe) -> bool:

@@ -97,3 +97,25 @@ def test_module_entry_point_runs_the_benchmark_parser():
     done = subprocess.run([sys.executable, "-m", "offload_core", "bench", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0 and "--model PATH" in done.stdout and "--plot FILE" in done.stdout
+
+
+def test_model_folder_of_flux2_klein_kv_runs_without_the_no_cache_row(tmp_path, capsys):
+    from offload_core.bench import models
+
+    folder = tmp_path / "flux2"
+    models.flux2_klein_kv_pipeline().save_pretrained(folder)
+    out_json = tmp_path / "flux.json"
+    assert main(["--model", str(folder), "--runs", "1", "--steps", "2", "--resolution", "64",
+                 "--modes", "none,gpu_upstream,ram_async", "--json", str(out_json)]) == 0
+    data = json.loads(out_json.read_text())
+    assert [r["key"] for r in data["rows"]] == ["gpu_upstream", "ram_async"]
+    assert "FLUX.2 Klein KV has no uncached mode" in data["settings"]["text"]
+    assert data["rows"][1]["kv_bytes"]["host_pageable"] == data["rows"][0]["kv_bytes"]["device"] > 0
+
+
+def test_model_folder_must_be_a_supported_pipeline(tmp_path):
+    with pytest.raises(ValueError, match="model_index.json"):
+        main(["--model", str(tmp_path), "--runs", "1"])
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    with pytest.raises(ValueError, match="holds a StableDiffusionPipeline"):
+        main(["--model", str(tmp_path), "--runs", "1"])
