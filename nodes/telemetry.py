@@ -107,8 +107,8 @@ class TelemetryHub:
     """Collects per-run KV store stats and memory figures; pushes them only while a run is active.
 
     Thread-safety: `step()` runs on the sampling thread, `snapshot()` on the server's thread; one lock guards
-    the state. The payload is built under the lock but sent outside it, so a slow sender never blocks
-    `snapshot()`.
+    the state, and payloads are also sent under it so they reach the page in the order they were built
+    (`send_sync` only queues the message on the server's loop, so this never blocks for long).
     """
 
     def __init__(self, send: Optional[Sender] = None, clock: Callable[[], float] = time.monotonic,
@@ -118,7 +118,7 @@ class TelemetryHub:
         self._clock = clock
         self._memory = memory
         self._min_interval_s = min_interval_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a sender may read snapshot()
         self._run_id: Optional[str] = None
         self._started_at: Optional[float] = None
         self._forwards = 0
@@ -147,8 +147,7 @@ class TelemetryHub:
             self._forwards = 0
             self._stores.clear()
             self._last_stats.clear()
-            payload = self._build("start")
-        self._push(payload)
+            self._push(self._build("start"))
 
     def track(self, name: str, store: Any) -> None:
         """Show `store` (a KVStore serving the current run) in the readout until the run ends."""
@@ -173,21 +172,19 @@ class TelemetryHub:
                 for name, ref in self._stores.items():
                     self._store_stats(name, ref)
                 return
-            payload = self._build("step")
-        self._push(payload)
+            self._push(self._build("step"))
 
     def run_finished(self, run_id: Optional[str] = None) -> None:
         """Push one final snapshot of the run and go idle. A finish for another run id is ignored."""
         with self._lock:
             if self._run_id is None or (run_id is not None and str(run_id) != self._run_id):
                 return
-            payload = self._build("final")
+            self._push(self._build("final"))
             self._run_id = None
             self._started_at = None
             self._stores.clear()
             self._last_stats.clear()
             self._last_push = None
-        self._push(payload)
 
     def snapshot(self) -> dict:
         """The latest pushed payload; before any run, a fresh idle one (not stored, nothing sent)."""
