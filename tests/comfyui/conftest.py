@@ -27,6 +27,9 @@ START_TIMEOUT_S = 180
 RUN_TIMEOUT_S = 120
 
 
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only, never via a proxy
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +48,7 @@ class Comfy:
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"})
         try:
-            with urllib.request.urlopen(req, timeout=30) as r:
+            with _OPENER.open(req, timeout=30) as r:
                 raw = r.read()
                 return r.status, (json.loads(raw) if raw else None)
         except urllib.error.HTTPError as e:
