@@ -33,7 +33,7 @@ def load(model: str | None, device: torch.device, dtype: torch.dtype):
             f"`--model` {model!r} holds a {class_name}; the benchmark runs {' and '.join(SUPPORTED)} folders.")
     import diffusers
 
-    pipe = getattr(diffusers, class_name).from_pretrained(model, torch_dtype=dtype, local_files_only=True)
+    pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=dtype, local_files_only=True)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe, f"{class_name} from {model}"

@@ -69,8 +69,12 @@ class OffloadSession:
     def live_stores(self) -> list[KVStore]:
         return [s for s in self._live if not s.closed]
 
-    def end_request(self) -> None:
-        """Close every store of the current request. Idempotent; safe to call from `finally` blocks."""
+    def end_request(self, *, raise_errors: bool = True) -> None:
+        """Close every store of the current request. Idempotent.
+
+        `raise_errors=False` (used while another exception propagates) logs a failed close instead of raising,
+        so the caller sees the original error.
+        """
         if not self._live:
             self._bindings.clear()
             return
@@ -88,8 +92,10 @@ class OffloadSession:
         self.last_stats = stats
         self._requests += 1
         _log_summary(stats)
-        if errors:
+        if errors and raise_errors:
             raise errors[0]
+        for error in errors:
+            logger.error("KV offload: closing a store failed: %r", error)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def add_hook(self, handle) -> None:
@@ -136,10 +142,14 @@ def _guarded_class(cls: type) -> type:
         def __call__(self, *args, **kwargs):
             session = session_of(self)
             try:
-                return cls.__call__(self, *args, **kwargs)
-            finally:
+                result = cls.__call__(self, *args, **kwargs)
+            except BaseException:
                 if session is not None:
-                    session.end_request()
+                    session.end_request(raise_errors=False)
+                raise
+            if session is not None:
+                session.end_request()
+            return result
 
         namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                      "__doc__": cls.__doc__, "_kv_offload_base": cls}

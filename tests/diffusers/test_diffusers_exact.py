@@ -69,3 +69,14 @@ def test_qwen21_off_matches_the_uncached_pipeline(qwen_pipe, store_log, images):
     off = qwen_pipe(**args).images
     assert np.array_equal(off, uncached)
     assert store_log.stores == []
+
+
+@pytest.mark.slow
+def test_compiled_transformer_with_offload_is_bit_exact(images):
+    """Transfer code is kept out of the graph (torch.compiler.disable): dynamo traces around it, output unchanged."""
+    pipe = models.qwen21_pipeline()
+    reference = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
+    pipe.transformer.compile(backend="eager")  # dynamo tracing without codegen: no C++ compiler needed
+    out, stats = _offloaded(pipe, "ram_async", images[:1], cfg=True)
+    assert np.array_equal(out, reference)
+    assert [s["layers"] for s in stats] == [3, 3]
