@@ -125,3 +125,20 @@ def test_latent_output_closes_stores_at_return(qwen_pipe, images, store_log):
     enable_kv_offload(qwen_pipe, "ram_sync")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, output_type="latent")
     assert len(store_log.stores) == 1 and store_log.live == []
+
+
+def test_failed_close_does_not_hide_the_pipelines_exception(qwen_pipe, images, store_log, monkeypatch):
+    def broken_close(self):
+        raise OSError("disk went away")
+
+    enable_kv_offload(qwen_pipe, "ram_sync")
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    from offload_core import KVStore
+
+    real_close = KVStore.close
+    monkeypatch.setattr(KVStore, "close", broken_close)
+    with pytest.raises(Boom):
+        qwen_pipe(**args, callback_on_step_end=_raise_at_step(1))
+    monkeypatch.setattr(KVStore, "close", real_close)
+    for store in store_log.stores:
+        store.close()
