@@ -126,7 +126,8 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
         if config.mode is Mode.OFF:
             opts["device"] = "off"
         else:
-            opts.pop("device", None) if opts.get("device") == "off" else None
+            if opts.get("device") == "off":  # an upstream "off" would stop the model asking for our cache
+                del opts["device"]
             original = type(dm).select_prefix_cache.__get__(dm)  # the class's, not an earlier object patch
             m.add_object_patch("diffusion_model.select_prefix_cache",
                                make_select_prefix_cache(original, count_layers(dm, family)))
