@@ -105,3 +105,11 @@ def _interrupted(tmp_path):
     dm._attend = attend
     noise, refs, txts = inputs(None)
     sample(dm, patched.options(), noise, refs, txts)
+
+
+def test_a_caching_mode_lifts_an_upstream_off(tmp_path):
+    Spy.made.clear()
+    upstream_off = {"transformer_options": {OPTIONS_KEY: {"device": "off", "dtype": "default"}}}
+    out, _ = run("ram_sync", tmp_path, model_options=upstream_off)
+    assert Spy.made and Spy.made[0].stats()["gets"] > 0
+    assert torch.equal(out, run("gpu", tmp_path)[0])
