@@ -21,11 +21,7 @@ from pathlib import Path
 
 import pytest
 
-try:  # the session fixture (a ComfyUI with the pack); a conftest may provide it instead
-    from test_integration import comfy  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
-from test_integration import graph
+from test_integration import graph  # the integration suite's tiny FLUX.2 graph
 
 websocket = pytest.importorskip("websocket", reason="the browser test drives Chromium with websocket-client")
 
@@ -34,7 +30,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.comfyui]
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-default-apps", "--disable-extensions", "--mute-audio", "--window-size=1600,1000",
-                  "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
+                  "--no-proxy-server", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
 PAGE_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 300
 CHANGES_DURING_RUN = 3
@@ -81,7 +77,7 @@ class Page:
 
 
 @pytest.fixture
-def page(comfy, tmp_path):  # noqa: F811 - the fixture imported above
+def page(comfy, tmp_path):
     exe = _chromium()
     cmd = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", comfy.url]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -95,7 +91,8 @@ def page(comfy, tmp_path):  # noqa: F811 - the fixture imported above
             if "DevTools listening on ws://" in line:
                 port = int(line.split("ws://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
         assert port, "chromium did not report its DevTools port"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
+        with no_proxy.open(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
             targets = [t for t in json.load(r) if t.get("type") == "page"]
         yield Page(targets[0]["webSocketDebuggerUrl"])
     finally:
@@ -194,7 +191,7 @@ SERIALIZE_JS = """(async () => {
 })()"""
 
 
-def _check_widgets_stay_out_of_workflow_and_prompt(comfy, page) -> None:  # noqa: F811
+def _check_widgets_stay_out_of_workflow_and_prompt(comfy, page) -> None:
     """The readouts are displays: they add no value to a saved workflow and no input to a queued prompt."""
     _, info = comfy.request("GET", "/object_info/KVOffloadSettings")
     spec = info["KVOffloadSettings"]["input"]
@@ -221,7 +218,7 @@ def _compare(page) -> dict:
     return result
 
 
-def test_readout_changes_during_a_run_and_ends_on_the_route_snapshot(comfy, page, tmp_path):  # noqa: F811
+def test_readout_changes_during_a_run_and_ends_on_the_route_snapshot(comfy, page, tmp_path):
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
     _place_nodes(page)
     _check_widgets_stay_out_of_workflow_and_prompt(comfy, page)

@@ -1,7 +1,7 @@
 """The memory monitor against a real ComfyUI: node and files registered, pushes only during a run, silence
 otherwise (the acceptance check: no `kv_offload.*` message for 10 seconds with no run active).
 
-Uses the `comfy` session fixture and the graph builder of the integration suite (a tiny FLUX.2 on CPU).
+Uses the `comfy` session fixture (conftest.py) and the graph builder of the integration suite (a tiny FLUX.2 on CPU).
 Run: COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/python] pytest -m comfyui tests/comfyui
 """
 
@@ -13,11 +13,7 @@ import time
 
 import pytest
 
-try:  # the session fixture (a ComfyUI with the pack) and the tiny graph; a conftest may provide the fixture
-    from test_integration import comfy  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
-from test_integration import graph
+from test_integration import graph  # the integration suite's tiny FLUX.2 graph
 
 websocket = pytest.importorskip("websocket", reason="the monitor tests need websocket-client")
 
@@ -71,13 +67,13 @@ class SocketRecorder:
 
 
 @pytest.fixture
-def recorder(comfy):  # noqa: F811 - the fixture imported above
+def recorder(comfy):
     rec = SocketRecorder(comfy)
     yield rec
     rec.close()
 
 
-def test_monitor_node_and_web_files_are_registered(comfy):  # noqa: F811
+def test_monitor_node_and_web_files_are_registered(comfy):
     code, info = comfy.request("GET", "/object_info/KVMemoryMonitor")
     assert code == 200, info
     node = info["KVMemoryMonitor"]
@@ -88,7 +84,7 @@ def test_monitor_node_and_web_files_are_registered(comfy):  # noqa: F811
     assert {"kv_offload.js", "kv_offload_format.js"} <= names
 
 
-def test_idle_server_sends_no_kv_offload_message_for_ten_seconds(comfy, recorder):  # noqa: F811
+def test_idle_server_sends_no_kv_offload_message_for_ten_seconds(comfy, recorder):
     started = time.monotonic()
     snapshots = []
     while time.monotonic() - started < IDLE_S:  # reading the route must not make the server talk either
@@ -104,7 +100,7 @@ def test_idle_server_sends_no_kv_offload_message_for_ten_seconds(comfy, recorder
     assert comfy.proc.poll() is None
 
 
-def test_a_run_pushes_throttled_snapshots_one_final_then_silence(comfy, recorder):  # noqa: F811
+def test_a_run_pushes_throttled_snapshots_one_final_then_silence(comfy, recorder):
     entry = comfy.run(graph(mode="ram_sync", steps=6, seed=int(time.time())))
     assert entry["status"]["status_str"] == "success"
     recorder.wait_for(lambda ms: any(m[2]["event"] == "final" for m in ms), timeout=30)
