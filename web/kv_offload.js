@@ -138,6 +138,11 @@ function growToFit(node) {
 function registerSidebar() {
   const manager = app.extensionManager;
   if (!manager?.registerSidebarTab) return;
+  let view = null; // the open tab's view; the tab is re-rendered each time it is opened
+  const close = () => {
+    if (view) views.delete(view);
+    view = null;
+  };
   manager.registerSidebarTab({
     id: "kv_offload.memory",
     icon: "pi pi-server",
@@ -145,16 +150,17 @@ function registerSidebar() {
     tooltip: "KV Offload: VRAM, RAM and KV cache readout",
     type: "custom",
     render(container) {
+      close();
       injectStyle();
       const root = document.createElement("div");
       root.className = "kvo-readout kvo-sidebar";
       root.dataset.kvOffload = "sidebar";
       container.replaceChildren(root);
-      const view = { render: (payload) => renderFull(root, payload) };
+      view = { render: (payload) => renderFull(root, payload) };
       views.add(view);
       view.render(latest);
-      this.destroy = () => views.delete(view);
     },
+    destroy: close,
   });
 }
 
