@@ -181,7 +181,12 @@ app.registerExtension({
     await fetchSnapshot();
   },
   nodeCreated(node) {
-    if (node.comfyClass === MONITOR) makeView(node, false);
-    else if (node.comfyClass === SETTINGS) makeView(node, true);
+    if (node.comfyClass !== MONITOR && node.comfyClass !== SETTINGS) return;
+    try {
+      makeView(node, node.comfyClass === SETTINGS);
+    } catch (err) {
+      // A front-end API change must cost the readout, never the node (the Settings node still works).
+      console.error("kv_offload: could not add the memory readout to", node.comfyClass, err);
+    }
   },
 });
