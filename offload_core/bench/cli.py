@@ -98,9 +98,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _check(args, parser)
     threads = args.threads or (1 if args.device.type == "cpu" else None)
+    previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    rows, hw, settings = run(args)
+    try:
+        rows, hw, settings = run(args)
+    finally:
+        torch.set_num_threads(previous)
     print(report.table(rows, hardware.one_line(hw), settings))
     if args.json:
         report.write_json(args.json, rows, hw, {

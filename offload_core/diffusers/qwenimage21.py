@@ -63,12 +63,13 @@ def install(session: OffloadSession, transformer) -> None:
         if session.config.mode is Mode.OFF:
             # No cache at all: every step recomputes the prefix (the pipeline always passes the full input).
             return args, {**kwargs, "kv_cache": None, "kv_cache_mode": None}
-        ours = session.bound(upstream)
-        if mode == "extract" or ours is None and mode != "cached":
+        if mode == "extract":
             ours = _open_cache(session, module, kwargs)
             session.bind(upstream, ours)
-        elif ours is None:
-            return None  # filled before offload was enabled: leave the upstream cache in charge
+        else:
+            ours = session.bound(upstream)
+            if ours is None:
+                return None  # filled before offload was enabled: leave the upstream cache in charge
         return args, {**kwargs, "kv_cache": ours}
 
     session.add_hook(transformer.register_forward_pre_hook(swap_cache, with_kwargs=True))

@@ -166,8 +166,11 @@ def _guard_decode(vae, session: OffloadSession) -> None:
 
     @functools.wraps(bound)
     def decode(*args, **kwargs):
-        # The denoising loop is over once the latents reach the VAE: drop the K/V before decode allocates.
-        session.end_request()
+        # The denoising loop is over once the final latents reach the VAE: drop the K/V before decode allocates.
+        # A decode while the loop still runs (a preview from a step callback: the pipeline's current timestep is
+        # set) must leave the caches alone, the next steps still read them.
+        if getattr(session.pipe, "_current_timestep", None) is None:
+            session.end_request()
         return bound(*args, **kwargs)
 
     decode._kv_offload_previous = inner

@@ -9,7 +9,6 @@ from offload_core import KVStore  # noqa: E402
 from offload_core.bench import models  # noqa: E402
 from offload_core.diffusers import disable_kv_offload  # noqa: E402
 
-LOSSLESS_MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
 
 @pytest.fixture(scope="session")
@@ -58,3 +57,15 @@ def store_log(monkeypatch):
 
     monkeypatch.setattr("offload_core.diffusers.session.KVStore", RecordingStore)
     return log
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy machine OpenMP threads waiting for each other make
+    every op many times slower; restored after each test."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

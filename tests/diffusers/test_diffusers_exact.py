@@ -5,10 +5,11 @@ The reference is the unpatched pipeline (upstream caching, no offload) with the 
 
 import numpy as np
 import pytest
-from conftest import LOSSLESS_MODES
 
 from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
+
+LOSSLESS_MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
 STEPS, RES = 3, 64
 

@@ -4,10 +4,11 @@ import gc
 import os
 
 import pytest
-from conftest import LOSSLESS_MODES
 
 from offload_core.bench import models
 from offload_core.diffusers import enable_kv_offload
+
+LOSSLESS_MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
 STEPS, RES = 3, 64
 
@@ -142,3 +143,21 @@ def test_failed_close_does_not_hide_the_pipelines_exception(qwen_pipe, images, s
     monkeypatch.setattr(KVStore, "close", real_close)
     for store in store_log.stores:
         store.close()
+
+
+def test_preview_decode_inside_the_loop_keeps_the_caches(qwen_pipe, images, store_log):
+    """A step callback that decodes a preview must not close the stores the next steps read."""
+    reference = models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    live_at_preview = []
+
+    def preview(pipe, i, t, kwargs):
+        live_at_preview.append(len(store_log.live))
+        latents = pipe._unpack_latents(kwargs["latents"], RES, RES, pipe.vae_scale_factor)
+        pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)
+        return kwargs
+
+    enable_kv_offload(qwen_pipe, "ram_async")
+    args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    out = qwen_pipe(**args, callback_on_step_end=preview).images
+    assert live_at_preview == [1] * STEPS and store_log.live == []
+    assert (out == reference).all()
