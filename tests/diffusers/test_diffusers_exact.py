@@ -5,6 +5,7 @@ The reference is the unpatched pipeline (upstream caching, no offload) with the 
 
 import numpy as np
 import pytest
+import torch
 
 from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
@@ -81,3 +82,13 @@ def test_compiled_transformer_with_offload_is_bit_exact(images):
     out, stats = _offloaded(pipe, "ram_async", images[:1], cfg=True)
     assert np.array_equal(out, reference)
     assert [s["layers"] for s in stats] == [3, 3]
+
+
+def test_bfloat16_pipeline_every_lossless_mode_is_bit_exact(images):
+    """Real checkpoints run in bf16: every tier must keep the dtype and the bits."""
+    pipe = models.qwen21_pipeline(dtype=torch.bfloat16)
+    reference = models.run_pipeline(pipe, images[:2], steps=STEPS, resolution=RES, cfg=True)
+    for mode in LOSSLESS_MODES:
+        out, stats = _offloaded(pipe, mode, images[:2], cfg=True)
+        assert np.array_equal(out, reference), f"mode {mode} differs from the upstream cache in bf16"
+        assert len(stats) == 2
