@@ -45,10 +45,12 @@ class RefKVAttention:
         layer = (extra_options.get("block_type"), extra_options.get("block_index"))
         rows, ref = fwd.rows, fwd.ref_tokens
         if fwd.phase == EXTRACT:
+            kinds = extra_options.get("cond_or_uncond") or []
             for i, u in enumerate(fwd.uuids):
                 if u in fwd.capture:
                     rs = slice(i * rows, (i + 1) * rows)
-                    run.put(u, layer, k[rs, :, -ref:], v[rs, :, -ref:])
+                    label = "uncond" if i < len(kinds) and kinds[i] == 1 else "cond"
+                    run.put(u, layer, k[rs, :, -ref:], v[rs, :, -ref:], label=label)
             return {}
         ks, vs = [], []
         for u in fwd.uuids:

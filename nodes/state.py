@@ -14,7 +14,6 @@ This module imports no ComfyUI.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import uuid as _uuid
 from dataclasses import dataclass, field
@@ -38,18 +37,6 @@ def repeat_to_batch_size(t: torch.Tensor, batch: int) -> torch.Tensor:
         reps = -(-batch // t.shape[0])
         return t.repeat([reps] + [1] * (t.ndim - 1))[:batch]
     return t
-
-
-@contextlib.contextmanager
-def engine_mode():
-    """Call the engine outside inference mode (and without autograd).
-
-    ComfyUI runs every node under `torch.inference_mode()`; tensors the store allocates there are inference
-    tensors, which the store's background reader threads (not in inference mode) may not update in place.
-    Buffers made here are ordinary tensors; the model still reads them fine inside inference mode.
-    """
-    with torch.inference_mode(False), torch.no_grad():
-        yield
 
 
 @dataclass
@@ -157,17 +144,19 @@ class RunState:
         return b is not None and b.complete and b.ref_tokens == ref_tokens
 
     # --- layer traffic ----------------------------------------------------------------------------------
-    def put(self, u, layer: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Hand one layer's reference K/V of cond `u` to its store (the store copies)."""
+    def put(self, u, layer: Hashable, k: torch.Tensor, v: torch.Tensor, label: str = "cond") -> None:
+        """Hand one layer's reference K/V of cond `u` to its store (the store copies).
+
+        `label` ("cond" / "uncond") names the store in logs and in the memory readout.
+        """
         branch = self.branches[u]
-        with engine_mode():
-            if branch.store is None:
-                per_layer = 2 * k.numel() * k.element_size()
-                name = f"{self.run_id}/{str(u)[:8]}"
-                branch.store = self.store_factory(self.config, k.device, host=self.host,
-                                                  expected_bytes=per_layer * self.n_layers, name=name)
-                self._track(name, branch.store)
-            branch.store.put(layer, k, v)
+        if branch.store is None:
+            per_layer = 2 * k.numel() * k.element_size()
+            name = f"{label} {str(u)[:4]}"
+            branch.store = self.store_factory(self.config, k.device, host=self.host,
+                                              expected_bytes=per_layer * self.n_layers, name=name)
+            self._track(name, branch.store)
+        branch.store.put(layer, k, v)
         branch.layers.add(layer)
 
     def get(self, u, layer: Hashable):
@@ -178,8 +167,7 @@ class RunState:
                 f"KV Offload: no cached reference K/V for layer {layer!r} of cond {u}; the model ran a layer "
                 "on a cached step that it did not run on the capture step. Use mode 'off' for this graph."
             )
-        with engine_mode():
-            return branch.store.get(layer)
+        return branch.store.get(layer)
 
     def _track(self, name: str, store) -> None:
         self._note_fallback(store)
@@ -214,8 +202,7 @@ class RunState:
     def _drop(self, u) -> None:
         branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
-            with engine_mode():
-                branch.store.close()
+            branch.store.close()
 
     def close(self) -> None:
         """Close every store (finishes or cancels transfers, frees buffers, deletes files). Idempotent."""
