@@ -122,6 +122,7 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["tiers"] = sorted({s["tier"] for s in stats})
         sample["page_cache"] = sorted({s["page_cache"] for s in stats if s.get("page_cache")})
         sample["reasons"] = sorted({s["reason"] for s in stats if s.get("reason")})
+        sample["pinned_fallback"] = any(s.get("pinned_fallback") for s in stats)
     else:
         kv = probe.total_bytes()
         sample["kv_bytes"] = {t: (kv if t == "device" else 0) for t in _TIERS}
@@ -171,7 +172,8 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
     last = samples[-1]
     device_peaks = [s["peak_device_allocated"] for s in samples if s["peak_device_allocated"] is not None]
     return {
-        "key": row.key, "label": row.label, "mode": row.mode, "config": dict(row.config),
+        "key": row.key, "mode": row.mode, "config": dict(row.config),
+        "label": f"{row.label} -> {'+'.join(last['tiers'])}" if row.mode == "auto" else row.label,
         "latency_s": statistics.median(s["latency_s"] for s in samples),
         "latencies_s": [s["latency_s"] for s in samples],
         "peak_device_allocated": max(device_peaks) if device_peaks else None,
@@ -180,4 +182,5 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
         "kv_bytes": last["kv_bytes"],
         "exposed_wait_s": statistics.median(s["exposed_wait_s"] for s in samples),
         "tiers": last["tiers"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
+        "pinned_fallback": last.get("pinned_fallback", False),
     }

@@ -51,6 +51,9 @@ def table(rows: list[dict], hardware_line: str, settings: str) -> str:
     fallbacks = sorted({reason for r in rows for reason in r["reasons"] if "→" in reason or "->" in reason})
     if fallbacks:
         notes.append("Tier fallbacks: " + "; ".join(fallbacks))
+    unpinned = [r["label"] for r in rows if r.get("pinned_fallback")]
+    if unpinned:
+        notes.append(f"Pinned memory refused or over budget, pageable copies used instead: {', '.join(unpinned)}")
     cold = sorted({pc for r in rows if r["key"].endswith("_cold") for pc in r["page_cache"]})
     if cold:
         notes.append(f"Cold file rows bypass the page cache with: {', '.join(cold)}")
