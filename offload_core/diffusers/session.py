@@ -45,7 +45,6 @@ class OffloadSession:
         self.last_stats: list[dict] = []
         self._live: list[KVStore] = []
         self._bindings: dict[int, tuple[object, object]] = {}  # id(upstream cache) -> (upstream, ours)
-        self._requests = 0
         self._hooks: list = []
         self._decode_owner = None
 
@@ -75,22 +74,21 @@ class OffloadSession:
         `raise_errors=False` (used while another exception propagates) logs a failed close instead of raising,
         so the caller sees the original error.
         """
-        if not self._live:
-            self._bindings.clear()
-            return
         stores, self._live = self._live, []
         self._bindings.clear()
+        if not stores:
+            return
         stats, errors = [], []
-        for store in stores:
+        for store in stores:  # every store gets closed, whatever fails on the way
             try:
                 stats.append(store.stats())
-            finally:
-                try:
-                    store.close()
-                except Exception as exc:  # close every store even if one fails; re-raise the first
-                    errors.append(exc)
+            except Exception as exc:
+                errors.append(exc)
+            try:
+                store.close()
+            except Exception as exc:
+                errors.append(exc)
         self.last_stats = stats
-        self._requests += 1
         _log_summary(stats)
         if errors and raise_errors:
             raise errors[0]
