@@ -80,11 +80,13 @@ def write_plot(path: str, rows: list[dict], title: str) -> str | None:
     except ImportError:
         return "--plot needs matplotlib, which is not installed: `pip install matplotlib`. The plot was skipped."
     field, header = device_memory_column(rows)
-    fig, ax = plt.subplots(figsize=(7.5, 5))
-    for r in rows:
-        x, y = (r[field] or 0) / 2**20, r["latency_s"]
-        ax.scatter([x], [y])
-        ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    markers = "osD^v<>Ph*X"
+    for index, r in enumerate(rows):
+        # Tiers often share a memory figure: a legend stays readable where point labels would overlap.
+        ax.scatter([(r[field] or 0) / 2**20], [r["latency_s"]], s=60, alpha=0.8, marker=markers[index % len(markers)],
+                   label=f"{r['label']} ({r['latency_s']:.2f} s)")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_xlabel(header)
     ax.set_ylabel("median full-pipeline latency (s)")
     ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
