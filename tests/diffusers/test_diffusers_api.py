@@ -11,7 +11,8 @@ STEPS, RES = 2, 64
 
 
 def _hooks(module):
-    return {name: (dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(m._forward_hooks_with_kwargs))
+    return {name: (dict(m._forward_pre_hooks), dict(m._forward_pre_hooks_with_kwargs), dict(m._forward_hooks),
+                   dict(m._forward_hooks_with_kwargs))
             for name, m in module.named_modules()}
 
 
