@@ -48,6 +48,9 @@ def table(rows: list[dict], hardware_line: str, settings: str) -> str:
                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     out = [line(headers), "|" + "|".join(("-" * (w + 2)) for w in widths) + "|", *map(line, body)]
     notes = [f"Hardware: {hardware_line}", f"Settings: {settings}"]
+    if field == "peak_kv_device":
+        notes.append("No CUDA allocator here: the device column is the peak of K/V bytes resident on the compute "
+                     "device (the engine's figure; for the unpatched rows, the pipeline's own cache).")
     fallbacks = sorted({reason for r in rows for reason in r["reasons"] if "→" in reason or "->" in reason})
     if fallbacks:
         notes.append("Tier fallbacks: " + "; ".join(fallbacks))
