@@ -75,13 +75,13 @@ def run(args) -> tuple[list[dict], dict, str]:
                                 n_images=args.images)
     bar = _progress(len(rows) * (args.runs + 1))
 
-    def advance(row) -> None:
+    def started(row) -> None:
         if bar is not None:
             bar.set_description(row.label)
-            bar.update()
 
     try:
-        results = measure_rows(pipe, rows, call, runs=args.runs, device=args.device, on_request=advance)
+        results = measure_rows(pipe, rows, call, runs=args.runs, device=args.device, on_start=started,
+                               on_done=lambda row: bar.update() if bar is not None else None)
     finally:
         if bar is not None:
             bar.close()

@@ -143,7 +143,8 @@ def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: tor
 
 
 def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs: int, device: torch.device,
-                 on_request: Callable[[Row], None] = lambda row: None) -> list[dict]:
+                 on_start: Callable[[Row], None] = lambda row: None,
+                 on_done: Callable[[Row], None] = lambda row: None) -> list[dict]:
     """One warm-up round, then `runs` timed rounds; each round runs every row once, in table order.
 
     Round-robin rather than row after row: a load that comes and goes (another job on a shared machine, a
@@ -158,10 +159,11 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
     try:
         for round_index in range(runs + 1):
             for row in rows:
+                on_start(row)
                 sample = request_for_row(pipe, row, call_kwargs, device, rss)
                 if round_index > 0:  # round 0 is the warm-up
                     samples[row.key].append(sample)
-                on_request(row)
+                on_done(row)
     finally:
         gc.unfreeze()
     return [summarize(row, samples[row.key], rss_exact=rss.exact) for row in rows]
