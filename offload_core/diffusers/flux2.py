@@ -87,6 +87,12 @@ def install(session: OffloadSession, transformer) -> None:
         if store is None:
             return None
         upstream = output[1] if isinstance(output, tuple) else output.kv_cache
+        # Normally the block hooks moved every layer already; a block run without keyword arguments (e.g. under
+        # gradient checkpointing) is caught here, so no layer is ever dropped.
+        for kind, layers in (("double", upstream.double_block_caches), ("single", upstream.single_block_caches)):
+            for index, layer in enumerate(layers):
+                if layer.k_ref is not None:
+                    store.put((kind, index), layer.k_ref, layer.v_ref)
         ours = OffloadedFlux2KVCache(store, len(upstream.double_block_caches), len(upstream.single_block_caches),
                                      upstream.num_ref_tokens, on_clear=session.end_request)
         upstream.clear()

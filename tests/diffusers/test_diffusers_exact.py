@@ -92,3 +92,14 @@ def test_bfloat16_pipeline_every_lossless_mode_is_bit_exact(images):
         out, stats = _offloaded(pipe, mode, images[:2], cfg=True)
         assert np.array_equal(out, reference), f"mode {mode} differs from the upstream cache in bf16"
         assert len(stats) == 2
+
+
+def test_flux2_layers_missed_by_the_block_hooks_are_still_offloaded(flux_pipe, images, monkeypatch):
+    """If blocks run without keyword arguments the per-block hooks see no cache; the output hook moves it all."""
+    import offload_core.diffusers.flux2 as flux2_adapter
+
+    reference = models.run_pipeline(flux_pipe, images[:1], steps=STEPS, resolution=RES)
+    monkeypatch.setattr(flux2_adapter, "_block_hook", lambda extract, key: lambda *args: None)
+    out, stats = _offloaded(flux_pipe, "ram_sync", images[:1])
+    blocks = len(flux_pipe.transformer.transformer_blocks) + len(flux_pipe.transformer.single_transformer_blocks)
+    assert np.array_equal(out, reference) and stats[0]["layers"] == blocks
