@@ -8,6 +8,8 @@ import importlib.util
 import pathlib
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACK = "kv_offload_pack"
 
@@ -23,3 +25,15 @@ def load_pack():
 
 
 load_pack()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy machine OpenMP threads waiting for each other make
+    every op many times slower; restored after the test."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
