@@ -6,28 +6,89 @@
   `pin_memory` / `unpin_memory`, so ComfyUI accounts for every page we lock. On `--cpu` and Apple
   `pin_memory` refuses and the engine degrades to pageable memory.
 - streams: ComfyUI's offload stream pool (`get_offload_stream`), shared with weight casting; none on CPU.
-- files: a `kv_offload` folder under ComfyUI's temp directory (wiped at start-up). No path from a graph is
-  ever used: the engine makes a private directory below this one and deletes it on close.
+- files: a private directory per run (`RunDir`: `tempfile.mkdtemp`, random name, mode 0700) in a
+  `kv_offload_cache` folder beside ComfyUI's temp directory -- the same disk, but outside the temp, output
+  and input folders that ComfyUI's `/view` serves to any client, so no client can download the cache even
+  if it learns a path. The run's directory is removed when the run closes, the folder when it is empty, and
+  leftovers of a crashed process when the pack loads. No path from a graph is ever used.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+import threading
 
 from ..offload_core import HostServices
 
 log = logging.getLogger(__name__)
 
-TEMP_SUBDIR = "kv_offload"
+CACHE_DIR = "kv_offload_cache"
+SERVED = ("temp", "output", "input")  # the directory types ComfyUI's /view serves
 
 
-def temp_root() -> str:
+def _inside(path: str, parent: str) -> bool:
+    path, parent = os.path.realpath(path), os.path.realpath(parent)
+    return os.path.commonpath((path, parent)) == parent
+
+
+def cache_root() -> str:
+    """The folder that holds the runs' private directories (not created here)."""
     import folder_paths
 
-    path = os.path.join(folder_paths.get_temp_directory(), TEMP_SUBDIR)
-    os.makedirs(path, exist_ok=True)
-    return path
+    root = os.path.join(os.path.dirname(os.path.abspath(folder_paths.get_temp_directory())), CACHE_DIR)
+    served = [folder_paths.get_directory_by_type(t) for t in SERVED]
+    if any(d and _inside(root, d) for d in served):  # e.g. an output directory set to ComfyUI's base folder
+        root = os.path.join(tempfile.gettempdir(), CACHE_DIR)
+    return root
+
+
+class RunDir:
+    """`HostServices.temp_dir` of one run: its private directory, made on first use; `cleanup()` removes it.
+
+    `RunState.close()` calls `cleanup()` after every store has closed (each deleted its own files already).
+    """
+
+    def __init__(self, root=cache_root):
+        self._root = root
+        self._lock = threading.Lock()  # file tiers of cond and uncond may ask at once
+        self.path = None
+
+    def __call__(self) -> str:
+        with self._lock:
+            if self.path is None:
+                root = self._root()
+                try:
+                    os.makedirs(root, mode=0o700, exist_ok=True)
+                except OSError:  # ComfyUI's folder is read-only here: the OS temp dir is not served either
+                    root = os.path.join(tempfile.gettempdir(), CACHE_DIR)
+                    os.makedirs(root, mode=0o700, exist_ok=True)
+                self.path = tempfile.mkdtemp(prefix="run-", dir=root)
+            return self.path
+
+    def cleanup(self) -> None:
+        with self._lock:
+            path, self.path = self.path, None
+        if path is None:
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(path))  # the shared folder goes too once no run uses it
+        except OSError:
+            pass
+
+
+def wipe_leftovers() -> None:
+    """Remove what a crashed process left in the cache folder (called once when the pack loads)."""
+    try:
+        root = cache_root()
+    except Exception:
+        log.debug("no cache folder to wipe", exc_info=True)
+        return
+    if os.path.isdir(root):
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def comfy_host_services(patcher=None) -> HostServices:
@@ -65,4 +126,4 @@ def comfy_host_services(patcher=None) -> HostServices:
         return mm.get_offload_stream(device)
 
     return HostServices(free_device_memory=free_device_memory, free_host_memory=free_host_memory,
-                        pin=pin, unpin=unpin, stream=stream, temp_dir=temp_root)
+                        pin=pin, unpin=unpin, stream=stream, temp_dir=RunDir())

@@ -21,7 +21,8 @@ MODE_TOOLTIP = (
     "off: no cache, the prefix is recomputed every step. "
     "gpu: in VRAM (same as ComfyUI's Flux KV Cache). "
     "ram_sync / ram_async: host RAM, copied back layer by layer (async: pinned, prefetched behind compute). "
-    "file_sync / file_async: files under ComfyUI's temp folder (async: read ahead of compute). "
+    "file_sync / file_async: files in a private folder beside ComfyUI's temp folder, deleted after the run "
+    "(async: read ahead of compute). "
     "Every mode except off gives the same latents as gpu."
 )
 

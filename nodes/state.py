@@ -219,3 +219,13 @@ class RunState:
         self.branches.clear()
         if errors:
             raise errors[0]
+        self._remove_temp_dir()
+
+    def _remove_temp_dir(self) -> None:
+        # The host's per-run directory (see nodes/host.py) goes with the run; the stores removed their own.
+        cleanup = getattr(getattr(self.host, "temp_dir", None), "cleanup", None)
+        if callable(cleanup):
+            try:
+                cleanup()
+            except Exception:
+                log.warning("KV Offload: could not remove the run's cache directory", exc_info=True)

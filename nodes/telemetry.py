@@ -15,8 +15,8 @@ Payload (version `v` = 1; every unknown value is `None`, never -1):
     v, event ("start" | "step" | "final" | "idle"), time (unix seconds),
     run {id, active, forwards, elapsed_s},
     memory: `offload_core.memory_snapshot()` as is (it says which figures are this process, which the device),
-    stores: one entry per tracked store: its `stats()` plus bandwidth_bytes_per_s, passes,
-            exposed_wait_per_pass_s, scope="process",
+    stores: one entry per tracked store: its `stats()` without any path (no `file_dir`; `on_disk` instead)
+            plus bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
     totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s.
 """
 
@@ -36,6 +36,9 @@ EVENT = "kv_offload.memory"
 PAYLOAD_VERSION = 1
 MIN_PUSH_INTERVAL_S = 0.25  # at most 4 pushes per second during a run
 BYTE_KEYS = ("device", "host_pinned", "host_pageable", "file")
+# Never published: any client of the server gets the payload, and a cache path would tell it where K/V of
+# another user's images lies on disk. `on_disk` (bool) says whether a store has files.
+PRIVATE_KEYS = ("file_dir",)
 
 Sender = Callable[[str, dict], Any]
 
@@ -75,7 +78,8 @@ def derive_store(stats: dict) -> dict:
     passes = gets / layers (how many times the store has served its whole prefix: one per cached step of
     its branch); exposed wait per pass = exposed_wait_s / passes.
     """
-    out = dict(stats)
+    out = {k: v for k, v in stats.items() if k not in PRIVATE_KEYS}
+    out["on_disk"] = bool(stats.get("file_dir"))
     out.setdefault("bytes_while_open", None)
     transfers = stats.get("transfers") or {}
     out["bandwidth_bytes_per_s"] = _ratio(transfers.get("bytes"), transfers.get("seconds"))

@@ -87,8 +87,9 @@ class Comfy:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def kv_files(self) -> list:
-        temp = self.base / "temp"
-        return [str(p) for p in temp.rglob("*") if p.is_file()] if temp.exists() else []
+        """Files of ours: the cache folder beside ComfyUI's temp dir, plus anything in temp (there should be none)."""
+        dirs = [self.base / "temp", self.base / "kv_offload_cache"]
+        return [str(p) for d in dirs if d.exists() for p in d.rglob("*") if p.is_file()]
 
 
 @pytest.fixture(scope="session")

@@ -78,6 +78,12 @@ def sampled(entry: dict) -> bool:
     return True
 
 
+def paths_in(payload, base: Path) -> list:
+    """Cache paths (or pieces of them) that a readout payload gives away."""
+    text = json.dumps(payload)
+    return [p for p in (str(base), str(base.resolve()), "kv_offload_cache", "run-") if p in text]
+
+
 def run_latent(comfy, **kwargs):
     entry = comfy.run(graph(**kwargs))
     assert sampled(entry), "KSampler was served from the execution cache"
@@ -163,3 +169,10 @@ def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
     clean = run_latent(comfy, mode="file_async", cfg=2.0, seed=32)
     assert clean.equal(run_latent(comfy, flux_kv="only", cfg=2.0, seed=32))
     assert comfy.kv_files() == []
+    # the files lie where ComfyUI's /view (temp, output, input) cannot serve them, and no path is published
+    served = [comfy.base / d for d in ("temp", "output", "input")]
+    assert not [f for f in comfy.kv_files() if any(Path(f).is_relative_to(d) for d in served)]
+    code, stats = comfy.request("GET", "/kv_offload/stats")
+    assert code == 200 and stats["run"]["active"] and stats["stores"], stats
+    assert any(s["on_disk"] for s in stats["stores"]) and paths_in(stats, comfy.base) == [], stats
+    assert not (comfy.base / "kv_offload_cache").exists() and not (comfy.base / "temp" / "kv_offload").exists()

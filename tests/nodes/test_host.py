@@ -1,14 +1,18 @@
 """ComfyUI's services as the engine sees them, with stand-ins for `comfy.model_management` / `folder_paths`."""
 
+import os
+import stat
 import sys
 import types
 
 import torch
 
 from kv_offload_pack.nodes import host as host_mod
+from kv_offload_pack.nodes.state import RunState
+from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 
-def install(monkeypatch, tmp_path, budget_ok=True, pin_ok=True):
+def install(monkeypatch, tmp_path, budget_ok=True, pin_ok=True, served_dirs=None):
     calls = []
     mm = types.ModuleType("comfy.model_management")
     mm.ensure_pin_budget = lambda size, evict_active=False, loaded=False: calls.append(("budget", size)) or budget_ok
@@ -20,6 +24,9 @@ def install(monkeypatch, tmp_path, budget_ok=True, pin_ok=True):
     comfy.model_management = mm
     fp = types.ModuleType("folder_paths")
     fp.get_temp_directory = lambda: str(tmp_path / "temp")
+    served = {t: str(tmp_path / t) for t in ("temp", "output", "input")}
+    served.update(served_dirs or {})
+    fp.get_directory_by_type = served.get
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
     monkeypatch.setitem(sys.modules, "folder_paths", fp)
@@ -53,5 +60,49 @@ def test_streams_memory_and_temp_dir(monkeypatch, tmp_path):
     assert host_mod.comfy_host_services().free_device_memory(torch.device("cpu")) == 123
     assert services.stream(torch.device("cpu")) is None and calls == []  # no side stream on CPU
     assert services.stream(torch.device("cuda", 0)) == "side-stream"
-    root = services.temp_dir()
-    assert root == str(tmp_path / "temp" / "kv_offload") and (tmp_path / "temp" / "kv_offload").is_dir()
+
+
+def _outside_served(path, tmp_path):
+    return all(os.path.commonpath([path, str(tmp_path / t)]) != str(tmp_path / t) for t in ("temp", "output", "input"))
+
+
+def test_cache_dir_is_private_and_outside_what_view_serves(monkeypatch, tmp_path):
+    # ComfyUI's /view hands any client files under temp/, output/ and input/ (subfolders included)
+    install(monkeypatch, tmp_path)
+    (tmp_path / "temp").mkdir()
+    run_dir = host_mod.comfy_host_services().temp_dir
+    path = run_dir()
+    assert run_dir() == path and os.path.isdir(path) and _outside_served(path, tmp_path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    assert path != host_mod.comfy_host_services().temp_dir()  # every run gets its own
+    assert list((tmp_path / "temp").iterdir()) == []
+
+
+def test_cache_dir_avoids_an_output_dir_that_holds_it(monkeypatch, tmp_path):
+    install(monkeypatch, tmp_path, served_dirs={"output": str(tmp_path)})  # e.g. --output-directory <base>
+    run_dir = host_mod.comfy_host_services().temp_dir
+    path = run_dir()
+    assert os.path.commonpath([path, str(tmp_path)]) != str(tmp_path)
+    run_dir.cleanup()
+    assert not os.path.exists(path)
+
+
+def test_a_run_leaves_no_directory_behind(monkeypatch, tmp_path):
+    install(monkeypatch, tmp_path)
+    host = host_mod.comfy_host_services()
+    run = RunState(OffloadConfig(mode="file_sync"), host, n_layers=1, store_factory=KVStore)
+    run.begin_forward(["c"], ref_tokens=4, batch=1)
+    k = torch.randn(1, 2, 4, 8)
+    run.put("c", 0, k, k)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()]
+    run.end_forward(ok=True)
+    run.close()
+    assert [p for p in tmp_path.rglob("*") if p.is_dir()] == []
+
+
+def test_leftovers_of_a_crashed_process_are_wiped_at_load(monkeypatch, tmp_path):
+    install(monkeypatch, tmp_path)
+    path = host_mod.comfy_host_services().temp_dir()
+    open(os.path.join(path, "layer-00000.safetensors"), "wb").close()
+    host_mod.wipe_leftovers()
+    assert not os.path.exists(path) and [p for p in tmp_path.rglob("*")] == []

@@ -234,3 +234,24 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
     assert rows["KV cond/tier"] == "ram_sync"
     assert rows["status/run"].startswith("running")
     store.close()
+
+
+def test_payload_never_carries_the_cache_path(hub, tmp_path):
+    # any client of the server gets the payload; a cache path would point it at another user's K/V on disk
+    from kv_offload_pack.offload_core import HostServices
+
+    store = KVStore(OffloadConfig(mode="file_sync"), "cpu", host=HostServices(temp_dir=lambda: str(tmp_path)),
+                    name="cond")
+    store.put(0, torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8))
+    assert str(tmp_path) in json.dumps(store.stats())  # the engine knows the path ...
+    hub.run_started("r1")
+    hub.track("cond", store)
+    hub.clock.advance(1.0)
+    hub.step()
+    store.close()
+    hub.run_finished("r1")
+    payloads = [data for _, data in hub.sender.messages] + [hub.snapshot()]
+    assert payloads[-1]["stores"][0]["on_disk"] is True  # ... the readout only says that there are files
+    for payload in payloads:
+        assert str(tmp_path) not in json.dumps(payload)
+        assert all("file_dir" not in s for s in payload["stores"])
