@@ -17,9 +17,38 @@ from typing import Callable, Optional
 
 import torch
 
-from .state import CACHED, EXTRACT, RUN_KEY, SPEC_KEY, RunState, repeat_to_batch_size
+from .state import CACHED, EXTRACT, RUN_KEY, SPEC_KEY, RunState
 
 log = logging.getLogger(__name__)
+
+
+def repeat_to_batch_size(t: torch.Tensor, batch: int) -> torch.Tensor:
+    """ComfyUI's `comfy.utils.repeat_to_batch_size` (batch dim 0), without importing ComfyUI."""
+    if t.shape[0] > batch:
+        return t[:batch]
+    if t.shape[0] < batch:
+        reps = -(-batch // t.shape[0])
+        return t.repeat([reps] + [1] * (t.ndim - 1))[:batch]
+    return t
+
+
+MULTI_GPU_KEY = "multigpu_thread_device"  # set by ComfyUI's _calc_cond_batch_multigpu in each thread's options
+
+
+def live_run(to: dict) -> Optional[RunState]:
+    """The run in `to`, or None when there is none or it has stood down.
+
+    Multi-GPU sampling runs the forwards of one step concurrently in threads that share this run's state;
+    one forward-in-progress per run cannot describe that, so the run stands down at the first such forward
+    (before any state is touched), and every thread passes through.
+    """
+    run: Optional[RunState] = to.get(RUN_KEY) if isinstance(to, dict) else None
+    if run is None:
+        return None
+    if MULTI_GPU_KEY in to:
+        run.stand_down("multi-GPU sampling runs cond batches in parallel threads, which KV Offload does not "
+                       "support; it stands down for this run")
+    return None if run.stood_down else run
 
 
 def _transformer_options(args, kwargs) -> dict:
@@ -38,12 +67,21 @@ class RefKVAttention:
     kv_offload = True  # marks our patches, so re-applying the node replaces rather than stacks them
 
     def __call__(self, q, k, v, extra_options=None, **kwargs):
-        run: Optional[RunState] = (extra_options or {}).get(RUN_KEY)
+        run = live_run(extra_options or {})
         fwd = run.forward if run is not None else None
         if fwd is None or fwd.phase not in (EXTRACT, CACHED):
             return {}
         layer = (extra_options.get("block_type"), extra_options.get("block_index"))
         rows, ref = fwd.rows, fwd.ref_tokens
+        if fwd.seq_len is not None and k.shape[2] != fwd.seq_len:
+            # another patch added or removed tokens after ours: the reference tokens may not be the last ones
+            why = (f"the joint sequence at layer {layer} has {k.shape[2]} tokens where {fwd.seq_len} were "
+                   "expected: another patch changed the sequence after KV Offload's post-input patch")
+            if fwd.phase == CACHED:  # the reference tokens are already gone from this forward: refuse it
+                raise RuntimeError(f"KV Offload: {why}. Place the other node before KV Offload Settings, or "
+                                   "use mode 'off' with it.")
+            run.stand_down(why + ", so the reference tokens cannot be located")
+            return {}
         if fwd.phase == EXTRACT:
             kinds = extra_options.get("cond_or_uncond") or []
             for i, u in enumerate(fwd.uuids):
@@ -68,14 +106,16 @@ class RefKVAttention:
 def post_input_patch(inputs: dict) -> dict:
     """`post_input`: decides the phase of this forward and drops the reference tokens when cached."""
     to = inputs.get("transformer_options") or {}
-    run: Optional[RunState] = to.get(RUN_KEY)
+    run = live_run(to)
     if run is None:
         return inputs
     ref = sum(to.get("reference_image_num_tokens", None) or [])
-    img = inputs["img"]
+    img, txt = inputs["img"], inputs.get("txt")
     fwd = run.begin_forward(to.get("uuids"), ref, img.shape[0])
     if fwd.phase == CACHED:
-        inputs["img"] = img[:, :-ref]
+        inputs["img"] = img = img[:, :-ref]
+    # the joint length every attention layer of this forward must see (text first, then image)
+    fwd.seq_len = img.shape[1] + txt.shape[1] if isinstance(txt, torch.Tensor) else None
     return inputs
 
 
@@ -84,7 +124,7 @@ post_input_patch.kv_offload = True
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """DIFFUSION_MODEL wrapper: brackets one forward (per cond batch per step) for the run state."""
-    run: Optional[RunState] = _transformer_options(args, kwargs).get(RUN_KEY)
+    run = live_run(_transformer_options(args, kwargs))
     if run is None:
         return executor(*args, **kwargs)
     run.step()

@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .state import RUN_KEY, Branch, repeat_to_batch_size
+from .patches import repeat_to_batch_size
+from .state import RUN_KEY, Branch
 
 OPTIONS_KEY = "qwen_image21_cache"
 
@@ -122,6 +123,8 @@ def make_select_prefix_cache(original: Callable, n_blocks: int) -> Callable:
         run = options.get(RUN_KEY)
         if run is None or run.closed:
             return original(key, cache_bytes, device, options)
+        if run.stood_down:  # multi-GPU threads: `original` is bound to one device's model, so no cache at all
+            return None, False
         if options.get("device") == "off":
             return None, False
         cache: Optional[PrefixStoreCache] = getattr(run, "prefix_cache", None)

@@ -15,6 +15,7 @@ This module imports no ComfyUI.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid as _uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
@@ -27,16 +28,6 @@ RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
 SPEC_KEY = "kv_offload_spec"  # transformer_options key of the node's RunSpec (cached with the MODEL)
 
 PASS, EXTRACT, CACHED = "pass", "extract", "cached"
-
-
-def repeat_to_batch_size(t: torch.Tensor, batch: int) -> torch.Tensor:
-    """ComfyUI's `comfy.utils.repeat_to_batch_size` (batch dim 0), without importing ComfyUI."""
-    if t.shape[0] > batch:
-        return t[:batch]
-    if t.shape[0] < batch:
-        reps = -(-batch // t.shape[0])
-        return t.repeat([reps] + [1] * (t.ndim - 1))[:batch]
-    return t
 
 
 @dataclass
@@ -67,13 +58,17 @@ class Branch:
 
 @dataclass
 class ForwardState:
-    """What the forward in progress does: pass through, capture (extract) or feed back (cached)."""
+    """What the forward in progress does: pass through, capture (extract) or feed back (cached).
+
+    seq_len: the joint (text + image) length `post_input` left; the attention patch must see exactly that.
+    """
 
     phase: str
     uuids: list
     rows: int = 0
     ref_tokens: int = 0
     capture: frozenset = frozenset()
+    seq_len: Optional[int] = None
 
 
 class RunState:
@@ -99,6 +94,8 @@ class RunState:
         self.forwards = 0
         self.closed = False
         self._warned = set()
+        self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
+        self._lock = threading.Lock()
 
     # --- one forward -----------------------------------------------------------------------------------
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
@@ -109,7 +106,7 @@ class RunState:
         without one capture this forward (a half-captured cond from an aborted forward starts over).
         """
         uuids = list(uuids or [])
-        if self.closed or ref_tokens <= 0 or not uuids or batch % len(uuids):
+        if self.closed or self.stood_down or ref_tokens <= 0 or not uuids or batch % len(uuids):
             self.forward = ForwardState(PASS, uuids)
             return self.forward
         rows = batch // len(uuids)
@@ -198,6 +195,22 @@ class RunState:
 
     def stats(self) -> dict:
         return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
+
+    def stand_down(self, reason: str) -> None:
+        """Step aside for the rest of the run: close every store, pass every later forward through.
+
+        Safe from several threads at once (one warning)."""
+        with self._lock:
+            if self.stood_down:
+                return
+            self.stood_down = reason
+            log.warning("KV Offload: %s; the reference K/V is recomputed every step for this run.", reason)
+        self.forward = None
+        for u in list(self.branches):
+            try:
+                self._drop(u)
+            except Exception:
+                log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
     def _drop(self, u) -> None:
         branch = self.branches.pop(u, None)

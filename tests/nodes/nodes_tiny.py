@@ -10,6 +10,8 @@ baseline mode `gpu` must match bit for bit.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 
@@ -111,12 +113,14 @@ class Guider:
         self.model_patcher = None
 
 
-def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=None, batched=True, fail_at=None):
+def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=None, batched=True, fail_at=None,
+           multigpu=False):
     """Euler-ish loop; `refs` / `txts` are per cond (cond first, uncond second when cfg is set).
 
     Runs the OUTER_SAMPLE wrappers around the loop like `CFGGuider.outer_sample`. `fail_at=(step, uuid)`
     raises KeyboardInterrupt (a BaseException, like ComfyUI's InterruptProcessingException) inside that
-    forward, after its first block.
+    forward, after its first block. `multigpu`: like `_calc_cond_batch_multigpu`, the cond batches of a step
+    run concurrently in threads, each with `multigpu_thread_device` in its options.
     """
     guider = Guider(model_options)
     uuids = ["cond-uuid", "uncond-uuid"][: 2 if cfg is not None else 1]
@@ -128,15 +132,26 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
             to["sigmas"] = torch.tensor([1.0 - step / steps])
             groups = [uuids] if batched else [[u] for u in uuids]
             outs = {}
-            for group in groups:
+
+            def run_group(group, x=x, to=to, step=step):
                 idx = [uuids.index(u) for u in group]
                 t = dict(to, uuids=list(group), cond_or_uncond=idx)
+                if multigpu:
+                    t["multigpu_thread_device"] = torch.device("cpu")
                 if fail_at is not None and fail_at[0] == step and fail_at[1] in group:
                     t["patches"] = _failing(t.get("patches", {}))
                 out = model.forward(torch.cat([x] * len(group)), torch.cat([refs[i] for i in idx]),
                                     torch.cat([txts[i] for i in idx]), t)
                 for j, u in enumerate(group):
                     outs[u] = out[j * x.shape[0]:(j + 1) * x.shape[0]]
+
+            if multigpu:
+                with ThreadPoolExecutor(len(groups)) as pool:
+                    for f in [pool.submit(run_group, g) for g in groups]:
+                        f.result()
+            else:
+                for group in groups:
+                    run_group(group)
             d = outs[uuids[0]] if cfg is None else outs[uuids[1]] + cfg * (outs[uuids[0]] - outs[uuids[1]])
             x = x - 0.25 * d
         return x

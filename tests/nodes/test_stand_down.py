@@ -1,0 +1,83 @@
+"""When the cache steps aside for a run: parallel forwards, a sequence changed by another patch.
+
+Real tensors and real engine stores, driven the way ComfyUI drives the patches, without ComfyUI.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
+from kv_offload_pack.offload_core import HostServices, KVStore
+
+from nodes_tiny import FakePatcher, TinyDiT, sample
+from test_patches import Recorder, inputs, no_files, run_mode
+
+
+def patched_tiny(mode, tmp_path, telemetry=None, store_factory=KVStore):
+    dm = TinyDiT()
+    host = HostServices(temp_dir=lambda: str(tmp_path))
+    patched, _ = apply_offload(FakePatcher(dm), config_from_inputs(mode), host=lambda p: host,
+                               store_factory=store_factory, telemetry=telemetry)
+    return dm, patched
+
+
+def warnings_of(caplog, text):
+    return [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+# --- multi-GPU sampling ---------------------------------------------------------------------------------------
+
+def test_multigpu_threads_make_the_run_stand_down(tmp_path, caplog):
+    rec = Recorder()
+    dm, patched = patched_tiny("ram_sync", tmp_path, telemetry=rec)
+    noise, refs, txts = inputs(0, cfg=True)
+    with caplog.at_level(logging.WARNING):
+        out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+    assert rec.stores == []  # no store was ever made, so no cond's K/V could land in another's
+    assert len(warnings_of(caplog, "multi-GPU")) == 1
+    assert torch.equal(out, run_mode("off", tmp_path, cfg=3.0, batched=False))
+
+
+# --- sequence changed by another patch ----------------------------------------------------------------------------
+
+def _append_tokens(inputs_):
+    img = inputs_["img"]
+    inputs_["img"] = torch.cat([img, torch.ones_like(img[:, :2])], dim=1)
+    return inputs_
+
+
+def test_tokens_appended_after_ours_make_the_run_stand_down(tmp_path, caplog):
+    dm, ours = patched_tiny("ram_sync", tmp_path)
+    ours.set_model_post_input_patch(_append_tokens)  # another pack, after KV Offload in the chain
+    dm_off, off = patched_tiny("off", tmp_path)
+    off.set_model_post_input_patch(_append_tokens)
+    noise, refs, txts = inputs(0)
+    with caplog.at_level(logging.WARNING):
+        out = sample(dm, ours.options(), noise, refs, txts)
+    assert torch.equal(out, sample(dm_off, off.options(), noise, refs, txts))  # never the wrong tokens
+    assert len(warnings_of(caplog, "another patch changed the sequence")) == 1
+    assert no_files(tmp_path) == []
+
+
+def test_a_sequence_changed_on_a_cached_step_is_refused(tmp_path):
+    calls = {"n": 0}
+
+    def grow_later(q, k, v, extra_options, **kwargs):  # upstream patch: adds a key from the second forward on
+        calls["n"] += 1
+        if calls["n"] <= 4:  # the 4 blocks of the first (capture) forward
+            return {}
+        return {"k": torch.cat([k, k[:, :, :1]], dim=2), "v": torch.cat([v, v[:, :, :1]], dim=2)}
+
+    dm = TinyDiT()
+    upstream = FakePatcher(dm)
+    upstream.set_model_attn1_patch(grow_later)
+    rec = Recorder()
+    ours, _ = apply_offload(upstream, config_from_inputs("file_sync"),
+                            host=lambda p: HostServices(temp_dir=lambda: str(tmp_path)), store_factory=KVStore,
+                            telemetry=rec)
+    noise, refs, txts = inputs(0)
+    with pytest.raises(RuntimeError, match="another patch changed the sequence"):
+        sample(dm, ours.options(), noise, refs, txts)
+    assert rec.stores and all(s.closed for s in rec.stores) and no_files(tmp_path) == []
