@@ -158,12 +158,20 @@ def make_outer_sample_wrapper(new_run: Callable, clone_options: Callable[[dict],
         guider.model_options = clone_options(orig)
         attach(run, spec, guider.model_options.setdefault("transformer_options", {}))
         on_start(run)
+        ok = False
         try:
-            return executor(*args, **kwargs)
+            out = executor(*args, **kwargs)
+            ok = True
+            return out
         finally:
             guider.model_options = orig
             try:
                 run.close()
+            except Exception:
+                if ok:
+                    raise
+                # an exception (an interrupt, a sampling error) is already on its way: it must reach ComfyUI
+                log.warning("KV Offload: closing the cache after a failed run also failed", exc_info=True)
             finally:
                 on_finish(run)
 

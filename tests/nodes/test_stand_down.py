@@ -1,4 +1,4 @@
-"""When the cache steps aside for a run: parallel forwards, a sequence changed by another patch.
+"""When the cache steps aside for a run: parallel forwards, a sequence changed by another patch, errors.
 
 Real tensors and real engine stores, driven the way ComfyUI drives the patches, without ComfyUI.
 """
@@ -81,3 +81,21 @@ def test_a_sequence_changed_on_a_cached_step_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="another patch changed the sequence"):
         sample(dm, ours.options(), noise, refs, txts)
     assert rec.stores and all(s.closed for s in rec.stores) and no_files(tmp_path) == []
+
+
+# --- errors at the end of a run ---------------------------------------------------------------------------------
+
+class FailingClose(KVStore):
+    def close(self):
+        super().close()
+        raise RuntimeError("close failed")
+
+
+def test_a_close_error_does_not_replace_an_interrupt(tmp_path, caplog):
+    dm, patched = patched_tiny("ram_sync", tmp_path, store_factory=FailingClose)
+    noise, refs, txts = inputs(0)
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyboardInterrupt):
+        sample(dm, patched.options(), noise, refs, txts, fail_at=(2, "cond-uuid"))
+    assert warnings_of(caplog, "closing the cache after a failed run also failed")
+    with pytest.raises(RuntimeError, match="close failed"):  # without an exception in flight it is raised
+        sample(dm, patched.options(), noise, refs, txts)
