@@ -131,7 +131,8 @@ class RunState:
             branch = self.branches.get(u)
             if branch is None:
                 continue
-            if ok and branch.layers:
+            # every layer must have been seen: a capture with a layer missing would fail or be recomputed later
+            if ok and len(branch.layers) == self.n_layers:
                 branch.complete = True
             else:
                 self._drop(u)
