@@ -149,10 +149,13 @@ class RunState:
         """
         branch = self.branches[u]
         if branch.store is None:
+            # The stores of one forward each pick a tier at their first put, against the same free memory: size
+            # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
+            together = max(len(self.forward.capture), 1) if self.forward is not None else 1
             per_layer = 2 * k.numel() * k.element_size()
             name = f"{label} {str(u)[:4]}"
             branch.store = self.store_factory(self.config, k.device, host=self.host,
-                                              expected_bytes=per_layer * self.n_layers, name=name)
+                                              expected_bytes=per_layer * self.n_layers * together, name=name)
             self._track(name, branch.store)
         branch.store.put(layer, k, v)
         branch.layers.add(layer)

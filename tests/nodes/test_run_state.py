@@ -1,9 +1,31 @@
-"""`RunState` on real engine stores: when a capture counts."""
+"""`RunState` on real engine stores: when a capture counts, how `auto` sizes cond and uncond."""
 
 import torch
 
-from kv_offload_pack.nodes.state import CACHED, EXTRACT, RunState
+from kv_offload_pack.nodes.patches import RefKVAttention
+from kv_offload_pack.nodes.state import CACHED, EXTRACT, RUN_KEY, RunState
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
+
+GiB = 1 << 30
+
+
+# --- auto with CFG ------------------------------------------------------------------------------------------------
+
+def test_auto_does_not_book_the_same_free_memory_for_cond_and_uncond(tmp_path):
+    k = torch.zeros(1, 2, 1024, 64)
+    n_layers = 4000
+    per_branch = 2 * k.numel() * k.element_size() * n_layers
+    free = int(1.6 * per_branch) + GiB  # room for one branch's cache, not for two
+    host = HostServices(free_device_memory=lambda device: free, free_host_memory=lambda: 64 * GiB,
+                        temp_dir=lambda: str(tmp_path))
+    run = RunState(OffloadConfig(mode="auto"), host, n_layers=n_layers, store_factory=KVStore)
+    run.begin_forward(["c", "u"], ref_tokens=1024, batch=2)
+    qkv = torch.zeros(2, 2, 1024 + 8, 64)
+    RefKVAttention()(qkv, qkv, qkv, extra_options={RUN_KEY: run, "block_type": "double", "block_index": 0,
+                                                   "cond_or_uncond": [0, 1]})
+    tiers = [b.store.mode.value for b in run.branches.values()]
+    run.close()
+    assert len(tiers) == 2 and tiers.count("gpu") < 2, tiers
 
 
 # --- capture completeness -----------------------------------------------------------------------------------------
