@@ -34,9 +34,9 @@ PASS, EXTRACT, CACHED = "pass", "extract", "cached"
 class RunSpec:
     """What the node decided, stored with the patched MODEL; turned into a `RunState` once per run.
 
-    config: the validated `OffloadConfig`; host: zero-argument callable returning `HostServices`
-    (evaluated per run, so a ComfyUI service is looked up when it is used); n_layers: attention layers
-    of the diffusion model (sizes `expected_bytes` for `auto`); family: "flux" | "qwen_image" | "qwen_image21".
+    config: the validated `OffloadConfig`; host: `host(model_patcher) -> HostServices`, called once per run
+    (patcher None when unknown); n_layers: attention layers of the diffusion model (a capture is complete when
+    all were seen; sizes `expected_bytes`); family: "flux" | "qwen_image" | "qwen_image21".
     """
 
     config: Any
@@ -54,6 +54,7 @@ class Branch:
     rows: int = 0
     layers: set = field(default_factory=set)
     complete: bool = False
+    name: str = ""
 
 
 @dataclass
@@ -93,9 +94,9 @@ class RunState:
         self.forward: Optional[ForwardState] = None
         self.forwards = 0
         self.closed = False
-        self._warned = set()
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
         self._lock = threading.Lock()
+        self._warned = set()
 
     # --- one forward -----------------------------------------------------------------------------------
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
@@ -153,12 +154,17 @@ class RunState:
             # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
             together = max(len(self.forward.capture), 1) if self.forward is not None else 1
             per_layer = 2 * k.numel() * k.element_size()
-            name = f"{label} {str(u)[:4]}"
+            branch.name = name = self._unique_name(label)
             branch.store = self.store_factory(self.config, k.device, host=self.host,
                                               expected_bytes=per_layer * self.n_layers * together, name=name)
             self._track(name, branch.store)
         branch.store.put(layer, k, v)
         branch.layers.add(layer)
+
+    def _unique_name(self, label: str) -> str:
+        """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
+        taken = {b.name for b in self.branches.values() if b.store is not None}
+        return next(n for n in (label, *(f"{label} {i}" for i in range(2, len(taken) + 2))) if n not in taken)
 
     def get(self, u, layer: Hashable):
         """(k, v) of cond `u` at `layer`, on the compute device; valid until the next get on that store."""
@@ -190,16 +196,6 @@ class RunState:
             log.warning("KV Offload: mode %s runs as %s: %s", requested, in_effect, reason)
 
     # --- lifetime ---------------------------------------------------------------------------------------
-    def step(self) -> None:
-        if self.telemetry is not None:
-            try:
-                self.telemetry.step()
-            except Exception:
-                log.debug("telemetry.step failed", exc_info=True)
-
-    def stats(self) -> dict:
-        return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
-
     def stand_down(self, reason: str) -> None:
         """Step aside for the rest of the run: close every store, pass every later forward through.
 
@@ -215,6 +211,16 @@ class RunState:
                 self._drop(u)
             except Exception:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
+
+    def step(self) -> None:
+        if self.telemetry is not None:
+            try:
+                self.telemetry.step()
+            except Exception:
+                log.debug("telemetry.step failed", exc_info=True)
+
+    def stats(self) -> dict:
+        return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
 
     def _drop(self, u) -> None:
         branch = self.branches.pop(u, None)
@@ -234,9 +240,9 @@ class RunState:
             except Exception as e:  # close the others anyway
                 errors.append(e)
         self.branches.clear()
+        self._remove_temp_dir()
         if errors:
             raise errors[0]
-        self._remove_temp_dir()
 
     def _remove_temp_dir(self) -> None:
         # The host's per-run directory (see nodes/host.py) goes with the run; the stores removed their own.

@@ -1,4 +1,4 @@
-"""`RunState` on real engine stores: when a capture counts, how `auto` sizes cond and uncond."""
+"""`RunState` on real engine stores: when a capture counts, how `auto` sizes cond and uncond, readout names."""
 
 import torch
 
@@ -42,3 +42,18 @@ def test_a_capture_missing_a_layer_is_recaptured_not_served():
     run.end_forward(ok=True)
     assert run.begin_forward(["c"], ref_tokens=4, batch=1).phase == CACHED
     run.close()
+
+
+# --- readout ------------------------------------------------------------------------------------------------------
+
+def test_readout_names_are_unique_within_a_run():
+    names = []
+    hub = type("Hub", (), {"track": lambda self, name, store: names.append(name)})()
+    run = RunState(OffloadConfig(mode="ram_sync"), HostServices(), n_layers=1, store_factory=KVStore, telemetry=hub)
+    k = torch.randn(1, 2, 4, 8)
+    run.begin_forward(["abcd-1", "abcd-2", "ffff-3"], ref_tokens=4, batch=3)
+    run.put("abcd-1", 0, k, k, label="cond")
+    run.put("abcd-2", 0, k, k, label="cond")
+    run.put("ffff-3", 0, k, k, label="uncond")
+    run.close()
+    assert names == ["cond", "cond 2", "uncond"]
