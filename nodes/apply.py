@@ -53,7 +53,13 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
 
 
 def validation_message(**inputs) -> "bool | str":
-    """True, or the engine's message for the first bad value (what `validate_inputs` returns)."""
+    """True, or the engine's message for the first bad value (what `validate_inputs` returns).
+
+    A linked input reaches validation as None (its value exists only at execution, where `execute` checks
+    it): None options are left out, and with no mode yet there is nothing to check against.
+    """
+    if inputs.get("mode") is None:
+        return True
     try:
         config_from_inputs(**inputs)
     except ValueError as e:

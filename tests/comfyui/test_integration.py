@@ -152,6 +152,20 @@ def test_changed_reference_between_runs_is_not_served_stale(comfy):
     assert second.equal(fresh)
 
 
+def test_linked_mode_is_validated_when_the_node_runs(comfy):
+    # ComfyUI validates a linked input as None: it must pass, and a bad value must still be refused
+    linked = graph(mode="ram_sync", cfg=2.0, seed=41)
+    linked["modesrc"] = {"class_type": "KVOffloadTestMode", "inputs": {"mode": "ram_sync"}}
+    linked["kvo"]["inputs"]["mode"] = ["modesrc", 0]
+    entry = comfy.run(linked)
+    assert sampled(entry) and comfy.latent(entry).equal(run_latent(comfy, mode="ram_sync", cfg=2.0, seed=41))
+    linked["modesrc"]["inputs"]["mode"] = "warp_speed"
+    code, body = comfy.submit(linked)
+    assert code == 200, body
+    entry = comfy.wait(body["prompt_id"])
+    assert entry["status"]["status_str"] == "error" and "`mode` must be one of" in json.dumps(entry["status"])
+
+
 def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
     long_run = graph(mode="file_async", cfg=2.0, steps=5000, size=8, seed=31)
     code, body = comfy.submit(long_run)

@@ -72,7 +72,23 @@ class KVOffloadTestTinyQwenImage:
                                                  offload_device=mm.unet_offload_device()),)
 
 
+class KVOffloadTestMode:
+    """A mode as a link (what a primitive or a switch node feeds a combo input)."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("COMBO",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"mode": ("STRING", {"default": "auto"})}}
+
+    def make(self, mode):
+        return (mode,)
+
+
 NODE_CLASS_MAPPINGS = {
+    "KVOffloadTestMode": KVOffloadTestMode,
     "KVOffloadTestConditioning": KVOffloadTestConditioning,
     "KVOffloadTestLatent": KVOffloadTestLatent,
     "KVOffloadTestTinyQwenImage": KVOffloadTestTinyQwenImage,
