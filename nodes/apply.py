@@ -118,15 +118,15 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
     m = model.clone()
     dm = m.get_model_object("diffusion_model")
     family = detect_family(dm)
-    removed = _strip_patches(m)
-    if any(is_flux_kv_cache_patch(p) for p in removed):
-        log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
-    if family is None:
+    if family is None:  # before any patch is touched: an upstream FluxKVCache keeps working
         msg = (f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack knows (FLUX.2 Klein KV, "
                "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it); model unchanged.")
         log.warning(msg)
         return m, msg
     to = m.model_options.setdefault("transformer_options", {})
+    removed = _strip_patches(m)
+    if any(is_flux_kv_cache_patch(p) for p in removed):
+        log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
     if family == "qwen_image21":
         opts = dict(to.get(OPTIONS_KEY) or {})
         if config.mode is Mode.OFF:

@@ -1,8 +1,22 @@
-"""What the node does with inputs it cannot check or cache for: linked inputs."""
+"""What the node does with inputs it cannot check or cache for: unknown models, linked inputs."""
 
 import pytest
+import torch
 
-from kv_offload_pack.nodes.apply import config_from_inputs, validation_message
+from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, validation_message
+from kv_offload_pack.offload_core import KVStore
+
+from nodes_tiny import FluxKVCacheReference, FakePatcher
+
+
+def test_unknown_model_keeps_an_upstream_flux_kv_cache():
+    ref = FluxKVCacheReference()
+    upstream = FakePatcher(torch.nn.Linear(2, 2), {"transformer_options": ref.options()})
+    patches = upstream.model_options["transformer_options"]["patches"]
+    patches["attn1_patch"] = [type("KV_Attn_Input", (), {"__call__": lambda self, *a, **k: {}})()]
+    patched, msg = apply_offload(upstream, config_from_inputs("ram_sync"), host=lambda p: None, store_factory=KVStore)
+    assert "model unchanged" in msg
+    assert patched.model_options == upstream.model_options
 
 
 def test_linked_inputs_pass_validation_and_are_checked_at_execution():
