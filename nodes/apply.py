@@ -14,6 +14,7 @@ FluxKVCache interplay (no double caching):
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Callable, Optional
 
 from ..offload_core import Mode, OffloadConfig
@@ -123,10 +124,10 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
                "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it); model unchanged.")
         log.warning(msg)
         return m, msg
-    to = m.model_options.setdefault("transformer_options", {})
     removed = _strip_patches(m)
     if any(is_flux_kv_cache_patch(p) for p in removed):
         log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
+    to = m.model_options.setdefault("transformer_options", {})
     if family == "qwen_image21":
         opts = dict(to.get(OPTIONS_KEY) or {})
         if config.mode is Mode.OFF:
@@ -145,6 +146,9 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
             m.set_model_post_input_patch(post_input_patch)
     if config.mode is Mode.OFF:
         to.pop(SPEC_KEY, None)
+        if telemetry is not None:  # the readout still shows the run (memory, no stores)
+            m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _readout_only(telemetry))
+            m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _readout_step(telemetry))
         msg = f"KV Offload: mode off on {family}: the prefix is recomputed every step."
         log.info(msg)
         return m, msg
@@ -190,6 +194,30 @@ def _outer_wrapper(store_factory: Callable, telemetry):
             _safe(telemetry.run_finished, run.run_id)
 
     return make_outer_sample_wrapper(new_run, copy_nested_dicts, attach, on_start, on_finish)
+
+
+def _readout_only(telemetry):
+    """OUTER_SAMPLE wrapper for mode `off`: brackets the run for the readout; no cache, no run state."""
+
+    def outer_sample_wrapper(executor, *args, **kwargs):
+        run_id = uuid.uuid4().hex[:12]
+        _safe(telemetry.run_started, run_id)
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            _safe(telemetry.run_finished, run_id)
+
+    outer_sample_wrapper.kv_offload = True
+    return outer_sample_wrapper
+
+
+def _readout_step(telemetry):
+    def diffusion_model_wrapper(executor, *args, **kwargs):
+        _safe(telemetry.step)
+        return executor(*args, **kwargs)
+
+    diffusion_model_wrapper.kv_offload = True
+    return diffusion_model_wrapper
 
 
 def _safe(fn, *args) -> None:

@@ -1,4 +1,4 @@
-"""What the node does with inputs it cannot check or cache for: unknown models, linked inputs."""
+"""What the node does with inputs it cannot cache for: unknown models, mode `off`, linked inputs."""
 
 import pytest
 import torch
@@ -6,7 +6,9 @@ import torch
 from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, validation_message
 from kv_offload_pack.offload_core import KVStore
 
-from nodes_tiny import FluxKVCacheReference, FakePatcher
+from nodes_tiny import FluxKVCacheReference, FakePatcher, sample
+from test_patches import Recorder, inputs, run_mode
+from test_stand_down import patched_tiny
 
 
 def test_unknown_model_keeps_an_upstream_flux_kv_cache():
@@ -17,6 +19,15 @@ def test_unknown_model_keeps_an_upstream_flux_kv_cache():
     patched, msg = apply_offload(upstream, config_from_inputs("ram_sync"), host=lambda p: None, store_factory=KVStore)
     assert "model unchanged" in msg
     assert patched.model_options == upstream.model_options
+
+
+def test_mode_off_still_brackets_the_run_for_the_readout(tmp_path):
+    rec = Recorder()
+    dm, patched = patched_tiny("off", tmp_path, telemetry=rec)
+    noise, refs, txts = inputs(0)
+    out = sample(dm, patched.options(), noise, refs, txts)
+    assert rec.calls == ["start"] + ["step"] * 4 + ["final"] and rec.stores == []
+    assert torch.equal(out, run_mode("off", tmp_path))
 
 
 def test_linked_inputs_pass_validation_and_are_checked_at_execution():
