@@ -174,7 +174,13 @@ def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
     while not comfy.kv_files():  # the capture step has written the cache files: sampling is under way
         assert time.monotonic() < deadline, f"no cache files appeared; log:\n{comfy.tail()}"
         time.sleep(0.02)
+    # the files lie where ComfyUI's /view (temp, output, input) cannot serve them, and no path is published
+    served = [comfy.base / d for d in ("temp", "output", "input")]
+    assert not [f for f in comfy.kv_files() if any(Path(f).is_relative_to(d) for d in served)]
     time.sleep(0.3)
+    code, stats = comfy.request("GET", "/kv_offload/stats")
+    assert code == 200 and stats["run"]["active"] and stats["stores"], stats
+    assert any(s["on_disk"] for s in stats["stores"]) and paths_in(stats, comfy.base) == [], stats
     assert comfy.request("POST", "/interrupt", {})[0] == 200
     entry = comfy.wait(body["prompt_id"])
     kinds = [kind for kind, _ in entry["status"]["messages"]]
@@ -183,10 +189,4 @@ def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
     clean = run_latent(comfy, mode="file_async", cfg=2.0, seed=32)
     assert clean.equal(run_latent(comfy, flux_kv="only", cfg=2.0, seed=32))
     assert comfy.kv_files() == []
-    # the files lie where ComfyUI's /view (temp, output, input) cannot serve them, and no path is published
-    served = [comfy.base / d for d in ("temp", "output", "input")]
-    assert not [f for f in comfy.kv_files() if any(Path(f).is_relative_to(d) for d in served)]
-    code, stats = comfy.request("GET", "/kv_offload/stats")
-    assert code == 200 and stats["run"]["active"] and stats["stores"], stats
-    assert any(s["on_disk"] for s in stats["stores"]) and paths_in(stats, comfy.base) == [], stats
     assert not (comfy.base / "kv_offload_cache").exists() and not (comfy.base / "temp" / "kv_offload").exists()
