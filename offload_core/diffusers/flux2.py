@@ -7,12 +7,18 @@ back as `kv_cache=` on the cached steps and calls `kv_cache.clear()` before deco
 2. after each block of that call (a forward hook per block), move the layer's fresh K/V into the store and
    clear the upstream layer, so at most one layer of the cache is on the device at a time during extract;
 3. replace the returned cache by an `OffloadedFlux2KVCache` over the same store, which the pipeline then feeds
-   back into every cached step.
+   back into every cached step. The transformer asks it for each layer between blocks (`get_double(i)` /
+   `get_single(j)`); that is where the layer comes back, so the blocks only see plain upstream layer caches.
 
-Layer keys are `("double", i)` and `("single", j)`, put and read in block order (double blocks first).
+Blocks compiled on their own (`compile_repeated_blocks`) cannot run our per-block hooks inside their graph:
+there the hooks are left out and the output hook moves every layer after the extract call, so the extract
+step holds the whole reference cache on the device, as upstream does; cached steps still hold one or two
+layers. Layer keys are `("double", i)` and `("single", j)`, put and read in block order.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
@@ -20,41 +26,37 @@ from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2K
 from .. import KVStore
 from .session import OffloadSession
 
-
-class OffloadedFlux2LayerCache(Flux2KVLayerCache):
-    """One layer of an offloaded reference cache; `k_ref`/`v_ref` stay None. No `.to()` on purpose."""
-
-    def __init__(self, kv_store: KVStore, key: tuple[str, int]):
-        super().__init__()
-        self._kv_store = kv_store
-        self._key = key
-
-    @torch.compiler.disable
-    def store(self, k_ref: torch.Tensor, v_ref: torch.Tensor) -> None:
-        self._kv_store.put(self._key, k_ref, v_ref)
-
-    @torch.compiler.disable
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv_store.get(self._key)
-
-    def clear(self) -> None:
-        pass  # the store owns the data; the container's clear() closes it
+logger = logging.getLogger(__name__)
 
 
 class OffloadedFlux2KVCache(Flux2KVCache):
     """A `Flux2KVCache` whose layers live in one `KVStore`.
 
-    `clear()` (the pipeline calls it before decoding) ends the request: the session records the store's stats and
-    closes it. Idempotent.
+    `get_double(i)` / `get_single(j)` return a plain layer cache holding the store's tensors for that layer, on
+    the compute device and valid until the next call. `clear()` (the pipeline calls it before decoding) ends
+    the request: the session records the store's stats and closes it. Idempotent. No `.to()` on purpose.
     """
 
     def __init__(self, kv_store: KVStore, num_double: int, num_single: int, num_ref_tokens: int,
                  on_clear=None):
         self.kv_store = kv_store
         self._on_clear = on_clear
-        self.double_block_caches = [OffloadedFlux2LayerCache(kv_store, ("double", i)) for i in range(num_double)]
-        self.single_block_caches = [OffloadedFlux2LayerCache(kv_store, ("single", i)) for i in range(num_single)]
+        self.num_double, self.num_single = num_double, num_single
+        self.double_block_caches, self.single_block_caches = [], []  # nothing is held here
         self.num_ref_tokens = num_ref_tokens
+
+    @torch.compiler.disable
+    def get_double(self, layer_idx: int) -> Flux2KVLayerCache:
+        return self._serve(("double", layer_idx))
+
+    @torch.compiler.disable
+    def get_single(self, layer_idx: int) -> Flux2KVLayerCache:
+        return self._serve(("single", layer_idx))
+
+    def _serve(self, key: tuple[str, int]) -> Flux2KVLayerCache:
+        layer = Flux2KVLayerCache()
+        layer.k_ref, layer.v_ref = self.kv_store.get(key)
+        return layer
 
     @torch.compiler.disable
     def clear(self) -> None:
@@ -69,14 +71,25 @@ class _Extract:
     store: KVStore | None = None
 
 
+def _blocks(transformer) -> list:
+    return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
+
+
+def _blocks_compiled(transformer) -> bool:
+    return any(getattr(block, "_compiled_call_impl", None) is not None for block in _blocks(transformer))
+
+
 def install(session: OffloadSession, transformer) -> None:
     """Register the pre-hook, the per-block hooks and the output hook (removed by `session.detach()`)."""
     extract = _Extract()
+    block_hooks: list = []
 
     @torch.compiler.disable
     def open_store(module, args, kwargs):
         extract.store = None
         if kwargs.get("kv_cache_mode") == "extract" and kwargs.get("num_ref_tokens", 0) > 0:
+            if block_hooks and _blocks_compiled(module):
+                _drop_block_hooks(block_hooks)
             hidden = kwargs["hidden_states"]
             extract.store = session.open_store(hidden.device, _expected_bytes(module, kwargs))
         return None
@@ -87,8 +100,11 @@ def install(session: OffloadSession, transformer) -> None:
         if store is None:
             return None
         upstream = output[1] if isinstance(output, tuple) else output.kv_cache
-        # Normally the block hooks moved every layer already; a block run without keyword arguments (e.g. under
-        # gradient checkpointing) is caught here, so no layer is ever dropped.
+        if isinstance(upstream, OffloadedFlux2KVCache):
+            store.close()  # another session on this shared transformer already took the cache
+            return None
+        # Layers the block hooks did not move (compiled blocks, gradient checkpointing) are moved here, so
+        # no layer is ever dropped.
         for kind, layers in (("double", upstream.double_block_caches), ("single", upstream.single_block_caches)):
             for index, layer in enumerate(layers):
                 if layer.k_ref is not None:
@@ -102,11 +118,23 @@ def install(session: OffloadSession, transformer) -> None:
         return output
 
     session.add_hook(transformer.register_forward_pre_hook(open_store, with_kwargs=True))
-    for kind, blocks in (("double", transformer.transformer_blocks), ("single", transformer.single_transformer_blocks)):
-        for index, block in enumerate(blocks):
-            hook = _block_hook(extract, (kind, index))
-            session.add_hook(block.register_forward_hook(hook, with_kwargs=True))
+    if not _blocks_compiled(transformer):
+        for kind, blocks in (("double", transformer.transformer_blocks), ("single", transformer.single_transformer_blocks)):
+            for index, block in enumerate(blocks):
+                handle = block.register_forward_hook(_block_hook(extract, (kind, index)), with_kwargs=True)
+                block_hooks.append(handle)
+                session.add_hook(handle)
+    else:
+        _drop_block_hooks(block_hooks)
     session.add_hook(transformer.register_forward_hook(swap_output, with_kwargs=True))
+
+
+def _drop_block_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+    logger.info("KV offload: the FLUX.2 blocks are compiled on their own, so the reference cache is moved after "
+                "the extract step rather than block by block; that step holds it on the device as upstream does.")
 
 
 def _block_hook(extract: _Extract, key: tuple[str, int]):

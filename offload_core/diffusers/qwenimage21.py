@@ -3,9 +3,10 @@
 Seam: the pipeline (classic and modular) creates one `QwenImage21KVCache` per CFG branch and hands it to the
 transformer as `kv_cache=`. A forward pre-hook on the transformer swaps it, for this call, for an
 `OffloadedQwenKVCache` bound to a store of its own — one store per upstream cache object, so each branch is
-isolated. All K/V traffic goes through `_qwenimage21_prepare_qkv`, which calls `layer_cache.store(k, v)` on the
-extract step and `layer_cache.get()` on the cached steps; our layer cache forwards both to the store.
-The upstream cache objects are never written to, so nothing of the prefix stays on the device through them.
+isolated. The transformer asks the container for layer i (`get_layer(i)`) between blocks; that is where every
+transfer happens, so the blocks themselves only ever see plain upstream layer caches and trace unchanged under
+`torch.compile` (also `compile_repeated_blocks(fullgraph=True)`). The upstream cache objects are never written
+to, so nothing of the prefix stays on the device through them.
 """
 
 from __future__ import annotations
@@ -21,38 +22,47 @@ from .session import OffloadSession
 _IMG_TOKENS_PER_SLOT = 4  # one vision-language image slot stands for 2x2 latent tokens
 
 
-class OffloadedQwenLayerCache(QwenImage21KVLayerCache):
-    """One layer of an offloaded prefix cache. Holds no tensors itself (`k`/`v` stay None).
+class OffloadedQwenKVCache(QwenImage21KVCache):
+    """A `QwenImage21KVCache` whose layers live in one `KVStore` (one CFG branch of one request).
 
-    `store(k, v)`: `(B, P, H, D)` post-RoPE keys/values in model dtype; the store takes a private copy.
-    `get()`: the same tensors on the compute device, valid until the next `get()` of this cache's store.
+    - extract (`extracting` True): `get_layer(i)` first moves the layer the previous block filled into the
+      store (which takes a private copy), then hands block i an empty plain layer cache; `flush()` moves the
+      last one after the forward. At most one layer of the prefix is on the device through us at a time.
+    - cached: `get_layer(i)` hands block i a plain layer cache holding `store.get(i)`: `(B, P, H, D)` post-RoPE
+      K/V on the compute device, valid until the next `get_layer` of this cache.
     No `.to()` method on purpose: accelerate's `send_to_device` would call it on every block.
     """
 
-    def __init__(self, kv_store: KVStore, index: int):
-        super().__init__()
-        self._kv_store = kv_store
-        self._index = index
-
-    @torch.compiler.disable
-    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._kv_store.put(self._index, k, v)
-
-    @torch.compiler.disable
-    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv_store.get(self._index)
-
-
-class OffloadedQwenKVCache(QwenImage21KVCache):
-    """A `QwenImage21KVCache` whose layers live in one `KVStore` (one CFG branch of one request)."""
-
     def __init__(self, kv_store: KVStore, num_layers: int):
         self.kv_store = kv_store
-        self.layer_caches = [OffloadedQwenLayerCache(kv_store, i) for i in range(num_layers)]
+        self.num_layers = num_layers
+        self.extracting = True
+        self.layer_caches = [QwenImage21KVLayerCache()]  # the one layer in flight, for code that walks the list
+        self._filled: int | None = None
+
+    @torch.compiler.disable
+    def get_layer(self, layer_idx: int) -> QwenImage21KVLayerCache:
+        self.flush()
+        layer = QwenImage21KVLayerCache()
+        if self.extracting:
+            self._filled = layer_idx  # the block stores this layer's prefix K/V into `layer`
+        else:
+            layer.k, layer.v = self.kv_store.get(layer_idx)
+        self.layer_caches[0] = layer
+        return layer
+
+    @torch.compiler.disable
+    def flush(self) -> None:
+        """Moves the layer filled by the last extract block into the store and drops the device tensors."""
+        layer = self.layer_caches[0]
+        if self._filled is not None and layer.k is not None:
+            self.kv_store.put(self._filled, layer.k, layer.v)
+        self._filled = None
+        layer.k = layer.v = None
 
 
 def install(session: OffloadSession, transformer) -> None:
-    """Register the cache-swapping pre-hook on `transformer` (removed by `session.detach()`)."""
+    """Register the cache-swapping hooks on `transformer` (removed by `session.detach()`)."""
 
     @torch.compiler.disable
     def swap_cache(module, args, kwargs):
@@ -70,9 +80,18 @@ def install(session: OffloadSession, transformer) -> None:
             ours = session.bound(upstream)
             if ours is None:
                 return None  # filled before offload was enabled: leave the upstream cache in charge
+            ours.extracting = False
         return args, {**kwargs, "kv_cache": ours}
 
+    @torch.compiler.disable
+    def flush_last_layer(module, args, kwargs, output):
+        ours = kwargs.get("kv_cache")
+        if isinstance(ours, OffloadedQwenKVCache):
+            ours.flush()
+        return None
+
     session.add_hook(transformer.register_forward_pre_hook(swap_cache, with_kwargs=True))
+    session.add_hook(transformer.register_forward_hook(flush_last_layer, with_kwargs=True))
 
 
 def _open_cache(session: OffloadSession, transformer, kwargs) -> OffloadedQwenKVCache:

@@ -94,8 +94,8 @@ def test_supported_diffusers_versions_pass():
 
 
 def test_cache_objects_have_no_to_method(qwen_pipe):
-    from offload_core.diffusers.flux2 import OffloadedFlux2KVCache, OffloadedFlux2LayerCache
-    from offload_core.diffusers.qwenimage21 import OffloadedQwenKVCache, OffloadedQwenLayerCache
+    from offload_core.diffusers.flux2 import OffloadedFlux2KVCache
+    from offload_core.diffusers.qwenimage21 import OffloadedQwenKVCache
 
-    for cls in (OffloadedQwenKVCache, OffloadedQwenLayerCache, OffloadedFlux2KVCache, OffloadedFlux2LayerCache):
+    for cls in (OffloadedQwenKVCache, OffloadedFlux2KVCache):
         assert not hasattr(cls, "to"), cls

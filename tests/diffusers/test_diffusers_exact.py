@@ -103,3 +103,33 @@ def test_flux2_layers_missed_by_the_block_hooks_are_still_offloaded(flux_pipe, i
     out, stats = _offloaded(flux_pipe, "ram_sync", images[:1])
     blocks = len(flux_pipe.transformer.transformer_blocks) + len(flux_pipe.transformer.single_transformer_blocks)
     assert np.array_equal(out, reference) and stats[0]["layers"] == blocks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["qwen", "flux"])
+def test_blocks_compiled_with_fullgraph_stay_bit_exact(which, images):
+    """`compile_repeated_blocks(fullgraph=True)`: every transfer happens between blocks, never inside one."""
+    pipe = models.qwen21_pipeline() if which == "qwen" else models.flux2_klein_kv_pipeline()
+    pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
+    reference = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES)
+    for mode in ("ram_sync", "file_async"):
+        out, stats = _offloaded(pipe, mode, images[:1])
+        assert np.array_equal(out, reference), f"mode {mode} differs under a fullgraph block compile"
+        assert stats and all(s["layers"] > 0 and s["closed"] is False for s in stats)
+
+
+def test_flux2_pipelines_sharing_a_transformer(flux_pipe, images):
+    """`from_pipe` shares the transformer: both pipelines enabled at once must still get their own cache."""
+    from diffusers import Flux2KleinKVPipeline
+
+    reference = models.run_pipeline(flux_pipe, images[:1], steps=STEPS, resolution=RES)
+    other = Flux2KleinKVPipeline.from_pipe(flux_pipe)
+    enable_kv_offload(flux_pipe, "ram_sync")
+    enable_kv_offload(other, "file_sync")
+    try:
+        for pipe in (flux_pipe, other, flux_pipe):
+            assert np.array_equal(models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES), reference)
+    finally:
+        disable_kv_offload(other)
+        disable_kv_offload(flux_pipe)
+    assert np.array_equal(models.run_pipeline(flux_pipe, images[:1], steps=STEPS, resolution=RES), reference)
