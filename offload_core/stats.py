@@ -16,7 +16,10 @@ def free_device_memory(device: torch.device, host: HostServices) -> Optional[int
     if host.free_device_memory is not None:
         return host.free_device_memory(device)
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        # Memory torch's caching allocator holds but does not use is free for our tensors too; the driver's
+        # figure alone would push a cache that fits off the device after the first request.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
     if device.type == "cpu":
         return free_host_memory(host)
     return None

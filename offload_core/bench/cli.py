@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         report.write_json(args.json, rows, hw, {
             "text": settings, "steps": args.steps, "resolution": args.resolution, "runs": args.runs,
             "images": args.images, "model": args.model, "dtype": str(args.torch_dtype), "device": str(args.device),
-            "threads": torch.get_num_threads()})
+            "threads": threads or previous})
         print(f"JSON written to {args.json}")
     if args.plot:
         error = report.write_plot(args.plot, rows, settings)
