@@ -3,6 +3,8 @@
 The reference is the unpatched pipeline (upstream caching, no offload) with the same seed.
 """
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -111,11 +113,18 @@ def test_blocks_compiled_with_fullgraph_stay_bit_exact(which, images):
     """`compile_repeated_blocks(fullgraph=True)`: every transfer happens between blocks, never inside one."""
     pipe = models.qwen21_pipeline() if which == "qwen" else models.flux2_klein_kv_pipeline()
     pipe.transformer.compile_repeated_blocks(fullgraph=True, backend="eager")
-    reference = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES)
-    for mode in ("ram_sync", "file_async"):
-        out, stats = _offloaded(pipe, mode, images[:1])
-        assert np.array_equal(out, reference), f"mode {mode} differs under a fullgraph block compile"
-        assert stats and all(s["layers"] > 0 and s["closed"] is False for s in stats)
+    try:
+        reference = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES)
+        for mode in ("ram_sync", "file_async"):
+            out, stats = _offloaded(pipe, mode, images[:1])
+            assert np.array_equal(out, reference), f"mode {mode} differs under a fullgraph block compile"
+            assert stats and all(s["layers"] > 0 and s["closed"] is False for s in stats)
+    finally:
+        # Compiled frames keep this pipeline (and the upstream run's own cache) alive; later tests count
+        # live cache tensors process-wide.
+        torch._dynamo.reset()
+        del pipe
+        gc.collect()
 
 
 def test_flux2_pipelines_sharing_a_transformer(flux_pipe, images):
