@@ -149,8 +149,14 @@ def _guarded_class(cls: type) -> type:
                 session.end_request()
             return result
 
-        namespace = {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                     "__doc__": cls.__doc__, "_kv_offload_base": cls}
+        def __reduce_ex__(self, protocol):
+            # An enabled pipeline carries hooks, open stores and a wrapped VAE bound to this process: a copy
+            # would share them silently. Refuse clearly instead (pickle, copy.copy and copy.deepcopy land here).
+            raise TypeError(f"{cls.__name__} has KV offload enabled and cannot be pickled or copied; call "
+                            "disable_kv_offload(pipe) first and enable it again on the copy.")
+
+        namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "_kv_offload_base": cls}
         guarded = type(cls.__name__, (cls,), namespace)
         _GUARDED_CLASSES[cls] = guarded
         return guarded

@@ -99,3 +99,17 @@ def test_cache_objects_have_no_to_method(qwen_pipe):
 
     for cls in (OffloadedQwenKVCache, OffloadedFlux2KVCache):
         assert not hasattr(cls, "to"), cls
+
+
+def test_an_enabled_pipeline_refuses_to_be_copied_and_is_copyable_again_after_disable(flux_pipe):
+    import copy
+    import pickle
+
+    enable_kv_offload(flux_pipe, "ram_sync")
+    try:
+        for attempt in (pickle.dumps, copy.deepcopy, copy.copy):
+            with pytest.raises(TypeError, match=r"disable_kv_offload\(pipe\) first"):
+                attempt(flux_pipe)
+    finally:
+        disable_kv_offload(flux_pipe)
+    assert type(copy.copy(flux_pipe)) is type(flux_pipe)
