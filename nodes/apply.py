@@ -40,12 +40,11 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
     """
     m = Mode.parse(mode)
     fields = {"mode": m}
-    asyncish = m in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO)
-    if asyncish and prefetch_depth is not None:
+    if m.takes_async_options and prefetch_depth is not None:
         fields["prefetch_depth"] = prefetch_depth
-    if (m.is_file or m is Mode.AUTO) and bypass_page_cache is not None:
+    if m.takes_file_options and bypass_page_cache is not None:
         fields["bypass_page_cache"] = bypass_page_cache
-    if asyncish and pin_budget_mb:
+    if m.takes_async_options and pin_budget_mb:
         if isinstance(pin_budget_mb, bool) or not isinstance(pin_budget_mb, int) or pin_budget_mb < 0:
             raise ValueError(f"`pin_budget_mb` must be a whole number of MiB >= 0; got {pin_budget_mb!r}. "
                              "Use 0 to leave the budget to ComfyUI.")

@@ -42,6 +42,16 @@ class Mode(str, enum.Enum):
     def is_ram(self) -> bool:
         return self in (Mode.RAM_SYNC, Mode.RAM_ASYNC)
 
+    @property
+    def takes_async_options(self) -> bool:
+        """`prefetch_depth` and `pin_budget` mean something: an async tier, or `auto` (which may pick one)."""
+        return self.is_async or self is Mode.AUTO
+
+    @property
+    def takes_file_options(self) -> bool:
+        """`file_dir` and `bypass_page_cache` mean something: a file tier, or `auto` (which may pick one)."""
+        return self.is_file or self is Mode.AUTO
+
     @classmethod
     def parse(cls, value: "Mode | str") -> "Mode":
         if isinstance(value, Mode):
@@ -88,7 +98,7 @@ class OffloadConfig:
         """Layers in flight ahead of the consumer; 0 for the tiers that never prefetch."""
         if self.prefetch_depth is not None:
             return self.prefetch_depth
-        return 1 if self.mode in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO) else 0
+        return 1 if self.mode.takes_async_options else 0
 
     @property
     def bypass(self) -> bool:
@@ -100,7 +110,7 @@ def _check_prefetch_depth(mode: Mode, depth: Optional[int]) -> None:
         return
     if isinstance(depth, bool) or not isinstance(depth, int):
         raise ValueError(f"`prefetch_depth` must be an int; got {depth!r} ({type(depth).__name__}). Pass e.g. 1.")
-    if mode not in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO):
+    if not mode.takes_async_options:
         raise ValueError(
             f"`prefetch_depth` only applies to the async tiers ('ram_async', 'file_async') and 'auto'; got "
             f"prefetch_depth={depth} with mode {mode.value!r}. Remove it, or pick an async mode."
@@ -113,7 +123,7 @@ def _check_prefetch_depth(mode: Mode, depth: Optional[int]) -> None:
 
 
 def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool]) -> None:
-    file_like = mode.is_file or mode is Mode.AUTO
+    file_like = mode.takes_file_options
     if bypass is not None:
         if not isinstance(bypass, bool):
             raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")
@@ -150,7 +160,7 @@ def _check_pin_budget(mode: Mode, budget: Optional[int]) -> None:
         return
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
         raise ValueError(f"`pin_budget` must be a number of bytes >= 0; got {budget!r}. Pass e.g. 8 << 30.")
-    if mode not in (Mode.RAM_ASYNC, Mode.FILE_ASYNC, Mode.AUTO):
+    if not mode.takes_async_options:
         raise ValueError(
             f"`pin_budget` only applies to the async tiers; got pin_budget={budget} with mode {mode.value!r}. "
             "Remove it, or pick 'ram_async' / 'file_async'."
