@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from procs import stop
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 START_TIMEOUT_S = 180
@@ -134,9 +136,4 @@ def comfy(tmp_path_factory):
             time.sleep(0.25)
         yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 30)

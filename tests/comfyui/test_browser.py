@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from test_integration import graph  # the integration suite's tiny FLUX.2 graph
+from procs import stop
 
 websocket = pytest.importorskip("websocket", reason="the browser test drives Chromium with websocket-client")
 
@@ -96,12 +97,7 @@ def page(comfy, tmp_path):
             targets = [t for t in json.load(r) if t.get("type") == "page"]
         yield Page(targets[0]["webSocketDebuggerUrl"])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 15)
 
 
 READY_JS = """(() => {

@@ -56,7 +56,7 @@ def test_learned_non_monotonic_order(mode, tmp_path):
                 assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
         stats = store.stats()
     if mode != "gpu":
-        assert loads_after_puts == len(put_order) or stats["tier"] == "gpu"
+        assert loads_after_puts == len(put_order)  # one offload per put
         # Once the order is learned, every layer is loaded exactly once per step: no wasted prefetch.
         assert stats["transfers"]["count"] - loads_before == 2 * len(use_order)
 
