@@ -52,6 +52,21 @@ class Mode(str, enum.Enum):
         """`file_dir` and `bypass_page_cache` mean something: a file tier, or `auto` (which may pick one)."""
         return self.is_file or self is Mode.AUTO
 
+    @property
+    def takes_device_budget(self) -> bool:
+        """`device_budget` means something: a mode that streams layers (it keeps some resident), or `auto`."""
+        return self.is_ram or self.is_file or self is Mode.AUTO
+
+    @property
+    def takes_host_budget(self) -> bool:
+        """`host_budget` means something: a mode that keeps layers in RAM (the rest spill to files), or `auto`."""
+        return self.is_ram or self is Mode.AUTO
+
+    @property
+    def takes_storage(self) -> bool:
+        """`storage` means something wherever a cache is kept: every mode but `off`."""
+        return self is not Mode.OFF
+
     @classmethod
     def parse(cls, value: "Mode | str") -> "Mode":
         if isinstance(value, Mode):
@@ -78,6 +93,14 @@ class OffloadConfig:
             else drop written and read pages with posix_fadvise, so the file tier really saves RAM.
         pin_budget: bytes of page-locked host memory this store may pin (async tiers only); default: the host
             service's budget, else a quarter of the RAM available when the store is created.
+        device_budget: bytes of the cache (as kept) a store may hold resident on the device; whole layers up
+            to it stay there, the rest stream from the mode's place (None: the mode decides, as before).
+            Streaming modes and `auto` only. Budgets are per store, i.e. per cached prefix and CFG branch.
+        host_budget: bytes of host RAM a store may hold its layers in; beyond it layers spill to files (None:
+            no cap). RAM modes and `auto` only.
+        storage: how the bytes are kept: "exact" (default, lossless), "fp8" (float8 e4m3) or "int8", both
+            with one scale per token and head, about half the bytes of a bf16/fp16 cache, everywhere the
+            cache is kept (the device included). `get` always returns the dtype that was put.
     """
 
     mode: "Mode | str" = Mode.AUTO
@@ -85,13 +108,24 @@ class OffloadConfig:
     file_dir: Optional[str] = None
     bypass_page_cache: Optional[bool] = None
     pin_budget: Optional[int] = None
+    device_budget: Optional[int] = None
+    host_budget: Optional[int] = None
+    storage: str = "exact"
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
         object.__setattr__(self, "mode", mode)
         _check_prefetch_depth(mode, self.prefetch_depth)
-        _check_file_options(mode, self.file_dir, self.bypass_page_cache)
+        _check_budget("device_budget", mode, self.device_budget, mode.takes_device_budget,
+                      "'ram_sync', 'ram_async', 'file_sync', 'file_async' and 'auto' (in 'gpu' every layer is "
+                      "resident already)", "pick a streaming mode or 'auto'")
+        _check_budget("host_budget", mode, self.host_budget, mode.takes_host_budget,
+                      "'ram_sync', 'ram_async' and 'auto' (the modes that keep layers in RAM)",
+                      "pick 'ram_async' or 'auto'")
+        spills = mode.is_ram and self.host_budget is not None  # overflow beyond the host budget goes to files
+        _check_file_options(mode, self.file_dir, self.bypass_page_cache, spills)
         _check_pin_budget(mode, self.pin_budget)
+        object.__setattr__(self, "storage", _check_storage(mode, self.storage))
 
     @property
     def depth(self) -> int:
@@ -122,21 +156,50 @@ def _check_prefetch_depth(mode: Mode, depth: Optional[int]) -> None:
         )
 
 
-def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool]) -> None:
-    file_like = mode.takes_file_options
+def _check_budget(name: str, mode: Mode, budget: Optional[int], applies: bool, modes: str, fix: str) -> None:
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"`{name}` must be a number of bytes >= 0 (or None: the mode decides); got {budget!r}. "
+                         "Pass e.g. 2 << 30 for 2 GiB.")
+    if not applies:
+        raise ValueError(f"`{name}` only applies to {modes}; got {name}={budget} with mode {mode.value!r}. "
+                         f"Remove it, or {fix}.")
+
+
+STORAGES = ("exact", "fp8", "int8")
+
+
+def _check_storage(mode: Mode, storage) -> str:
+    value = storage.strip().lower() if isinstance(storage, str) else storage
+    if value not in STORAGES:
+        raise ValueError(f"`storage` must be one of {', '.join(map(repr, STORAGES))}; got {storage!r}. "
+                         "'exact' keeps the cache lossless; 'fp8' / 'int8' keep about half the bytes.")
+    if value != "exact" and not mode.takes_storage:
+        raise ValueError(f"`storage` {value!r} only applies where a cache is kept; mode 'off' keeps none. "
+                         "Remove it, or pick another mode.")
+    if value == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"`storage` 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks. "
+                         "Use storage='int8', or upgrade torch.")
+    return value
+
+
+def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool], spills: bool = False) -> None:
+    file_like = mode.takes_file_options or spills
     if bypass is not None:
         if not isinstance(bypass, bool):
             raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")
         if not file_like:
             raise ValueError(
-                f"`bypass_page_cache` only applies to the file tiers; got bypass_page_cache={bypass} with mode "
-                f"{mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
+                f"`bypass_page_cache` only applies to the file tiers (and RAM modes with a `host_budget`); got "
+                f"bypass_page_cache={bypass} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
             )
     if file_dir is None:
         return
     if not file_like:
         raise ValueError(
-            f"`file_dir` only applies to the file tiers; got file_dir={file_dir!r} with mode {mode.value!r}. "
+            f"`file_dir` only applies to the file tiers (and RAM modes with a `host_budget`); got "
+            f"file_dir={file_dir!r} with mode {mode.value!r}. "
             "Remove it, or pick 'file_sync' / 'file_async'."
         )
     if not isinstance(file_dir, (str, os.PathLike)):

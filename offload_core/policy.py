@@ -1,48 +1,14 @@
-"""Policy as plain functions over plain data: which tier `auto` picks, which layers come next.
+"""Policy as plain functions over plain data: which layers come next (`LayerOrder`).
 
-Nothing here moves memory; `store.py` asks and the tiers act.
+Where each layer is kept is the placement plan's business (`plan.py`); its names are re-exported here for
+code written against the first version. Nothing here moves memory; `store.py` asks and the tiers act.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, Iterable, List
 
-from .config import Mode
-
-GiB = 1 << 30
-RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
-ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)
-
-
-def fits(free: Optional[int], need: int) -> bool:
-    """True when `need` bytes fit into `free` with half of `need` plus a fixed reserve left over."""
-    return free is not None and free >= need + need // 2 + RESERVE_BYTES
-
-
-def choose_tier(need: int, free_device: Optional[int], free_host: Optional[int], unified: Optional[str],
-                pin_budget: Optional[int] = None) -> Tuple[Mode, str]:
-    """The fastest tier that fits right now, and why.
-
-    `unified` is the reason host RAM is no separate pool (unified memory, or the device is the CPU itself), in
-    which case a RAM tier would free nothing and is never picked.
-    """
-    gib = need / GiB
-    if fits(free_device, need):
-        return Mode.GPU, f"{gib:.2f} GiB fits in free device memory ({(free_device or 0) / GiB:.2f} GiB)"
-    if unified is None and fits(free_host, need):
-        pinned = "" if pin_budget is None or pin_budget >= need else \
-            f", {pin_budget / GiB:.2f} GiB of it pinned (budget), the rest pageable"
-        return Mode.RAM_ASYNC, f"{gib:.2f} GiB does not fit on the device but fits in free RAM{pinned}"
-    why = f"RAM tiers disabled, {unified}" if unified else \
-        f"{gib:.2f} GiB fits neither in free device memory nor in free RAM"
-    return Mode.FILE_ASYNC, why
-
-
-def resolve(requested: Mode, unified: Optional[str]) -> Tuple[Mode, str]:
-    """The tier an explicit mode actually gets: RAM tiers become `gpu` where RAM and VRAM are one pool."""
-    if requested.is_ram and unified is not None:
-        return Mode.GPU, f"{requested.value} -> gpu: RAM tiers disabled, {unified}"
-    return requested, "requested"
+from .plan import ASSUMED_LAYERS, GiB, RESERVE_BYTES, choose_tier, fits, resolve  # noqa: F401 (re-exports)
 
 
 class LayerOrder:
@@ -73,10 +39,22 @@ class LayerOrder:
         self._pass.append(key)
         self._seen.add(key)
 
-    def ahead(self, key: Hashable, n: int) -> List[Hashable]:
-        """Up to `n` layers expected after `key`, wrapping into the next step, never `key` itself."""
+    def ahead(self, key: Hashable, n: int, skip: Iterable[Hashable] = ()) -> List[Hashable]:
+        """Up to `n` layers expected after `key`, wrapping into the next step, never `key` itself.
+
+        Layers in `skip` (resident ones, which need no load) are passed over, so the next streamed layer's
+        copy starts as early as possible and hides behind every resident layer before it.
+        """
         i = self._index.get(key)
         if i is None or n <= 0:
             return []
-        count = len(self.order)
-        return [self.order[(i + j) % count] for j in range(1, min(n, count - 1) + 1)]
+        skip = skip if isinstance(skip, (set, frozenset, dict)) else set(skip)
+        count, out = len(self.order), []
+        for j in range(1, count):
+            nxt = self.order[(i + j) % count]
+            if nxt in skip:
+                continue
+            out.append(nxt)
+            if len(out) == n:
+                break
+        return out

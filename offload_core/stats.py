@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import psutil
 import torch
 
+from . import plan
 from .config import HostServices
 
 STATS_VERSION = 1
@@ -32,8 +33,8 @@ def free_host_memory(host: HostServices) -> Optional[int]:
 
 
 def default_pin_budget(host: HostServices) -> int:
-    """A quarter of available RAM: page-locked memory cannot be swapped, so we never take most of it."""
-    return (free_host_memory(host) or 0) // 4
+    """The pin budget when neither the config nor the host sets one (see `plan.default_pin_budget`)."""
+    return plan.default_pin_budget(free_host_memory(host))
 
 
 class StoreStats:

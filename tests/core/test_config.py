@@ -22,6 +22,16 @@ from offload_core import HostServices, KVStore, Mode, OffloadConfig
     ({"mode": "file_sync", "bypass_page_cache": "yes"}, r"`bypass_page_cache` must be True or False"),
     ({"mode": "ram_async", "pin_budget": -1}, r"`pin_budget` must be a number of bytes >= 0; got -1"),
     ({"mode": "ram_sync", "pin_budget": 1 << 30}, r"`pin_budget` only applies to the async tiers"),
+    ({"mode": "ram_async", "device_budget": -5}, r"`device_budget` must be a number of bytes >= 0 .*got -5.*2 << 30"),
+    ({"mode": "auto", "device_budget": 1.5}, r"`device_budget` must be a number of bytes"),
+    ({"mode": "gpu", "device_budget": 1 << 30}, r"`device_budget` only applies to .*'gpu'.*Remove it"),
+    ({"mode": "off", "device_budget": 0}, r"`device_budget` only applies to .*mode 'off'"),
+    ({"mode": "file_async", "host_budget": 1 << 30}, r"`host_budget` only applies to 'ram_sync'.*'file_async'"),
+    ({"mode": "gpu", "host_budget": 1 << 30}, r"`host_budget` only applies to"),
+    ({"mode": "ram_sync", "host_budget": True}, r"`host_budget` must be a number of bytes"),
+    ({"mode": "ram_async", "storage": "int4"}, r"`storage` must be one of 'exact', 'fp8', 'int8'; got 'int4'"),
+    ({"mode": "off", "storage": "fp8"}, r"`storage` 'fp8' only applies where a cache is kept.*'off'"),
+    ({"mode": "ram_sync", "file_dir": "."}, r"`file_dir` only applies to the file tiers \(and RAM modes with a `host_budget`\)"),
 ])
 def test_bad_options_are_rejected_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -97,3 +107,16 @@ def test_put_and_get_errors(tmp_path):
             store.get(1)
         assert torch.equal(store.get(0)[0], k)
     assert os.listdir(tmp_path) == []
+
+
+def test_budget_and_storage_rules_per_mode(tmp_path):
+    """Which modes the new options apply to (the same table the node reads)."""
+    applies = {m: (m.takes_device_budget, m.takes_host_budget, m.takes_storage) for m in Mode}
+    assert applies[Mode.GPU] == (False, False, True) and applies[Mode.OFF] == (False, False, False)
+    assert applies[Mode.RAM_SYNC] == applies[Mode.RAM_ASYNC] == applies[Mode.AUTO] == (True, True, True)
+    assert applies[Mode.FILE_SYNC] == applies[Mode.FILE_ASYNC] == (True, False, True)
+    assert OffloadConfig(mode="gpu", storage="FP8").storage == "fp8"
+    assert OffloadConfig().storage == "exact" and OffloadConfig().device_budget is None
+    # A RAM mode with a host budget spills to files, so the file options apply to it.
+    spill = OffloadConfig(mode="ram_async", host_budget=1 << 20, file_dir=str(tmp_path), bypass_page_cache=False)
+    assert spill.file_dir == str(tmp_path)

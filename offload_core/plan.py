@@ -1,0 +1,256 @@
+"""The placement plan: which place keeps each layer of a store, decided by plain functions over plain data.
+
+Sizes, budgets and free-memory figures go in; a `Plan` (layer -> place, plus one sentence saying why) comes
+out. Nothing here allocates or moves memory, so every case is tested without a device: `store.py` asks,
+the tiers act.
+
+Places, fastest first: `device` (resident, served without a copy), `host_pinned`, `host_pageable`, `file`.
+Streamed layers (every place but `device`) come back through the store's ring of `depth + 1` device slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from .config import Mode
+
+GiB = 1 << 30
+MiB = 1 << 20
+RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
+ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)
+
+DEVICE, PINNED, PAGEABLE, FILE = "device", "host_pinned", "host_pageable", "file"
+PLACES = (DEVICE, PINNED, PAGEABLE, FILE)
+HOST_PLACES = (PINNED, PAGEABLE)
+
+
+def fits(free: Optional[int], need: int) -> bool:
+    """True when `need` bytes fit into `free` with half of `need` plus a fixed reserve left over."""
+    return free is not None and free >= need + need // 2 + RESERVE_BYTES
+
+
+def room(free: Optional[int]) -> int:
+    """The most bytes `fits` accepts in `free` (0 when unknown): the inverse of the margin above."""
+    if free is None or free <= RESERVE_BYTES:
+        return 0
+    return (free - RESERVE_BYTES) * 2 // 3
+
+
+def choose_tier(need: int, free_device: Optional[int], free_host: Optional[int], unified: Optional[str],
+                pin_budget: Optional[int] = None) -> Tuple[Mode, str]:
+    """The fastest single tier that holds the whole cache right now, and why (the first version's `auto`).
+
+    `unified` is the reason host RAM is no separate pool (unified memory, or the device is the CPU itself), in
+    which case a RAM tier would free nothing and is never picked.
+    """
+    gib = need / GiB
+    if fits(free_device, need):
+        return Mode.GPU, f"{gib:.2f} GiB fits in free device memory ({(free_device or 0) / GiB:.2f} GiB)"
+    if unified is None and fits(free_host, need):
+        pinned = "" if pin_budget is None or pin_budget >= need else \
+            f", {pin_budget / GiB:.2f} GiB of it pinned (budget), the rest pageable"
+        return Mode.RAM_ASYNC, f"{gib:.2f} GiB does not fit on the device but fits in free RAM{pinned}"
+    why = f"RAM tiers disabled, {unified}" if unified else \
+        f"{gib:.2f} GiB fits neither in free device memory nor in free RAM"
+    return Mode.FILE_ASYNC, why
+
+
+def resolve(requested: Mode, unified: Optional[str]) -> Tuple[Mode, str]:
+    """The tier an explicit mode actually gets: RAM tiers become `gpu` where RAM and VRAM are one pool."""
+    if requested.is_ram and unified is not None:
+        return Mode.GPU, f"{requested.value} -> gpu: RAM tiers disabled, {unified}"
+    return requested, "requested"
+
+
+def default_pin_budget(free_host: Optional[int]) -> int:
+    """A quarter of available RAM: page-locked memory cannot be swapped, so we never take most of it."""
+    return (free_host or 0) // 4
+
+
+def resident_indices(layers: int, resident: int) -> List[int]:
+    """Which of `layers` (in put order) stay on the device when only `resident` of them fit.
+
+    Spread evenly, the first layer always among them. The store prefetches the next *streamed* layers
+    (resident ones need no copy), so a streamed layer's copy starts when the previous streamed layer is
+    consumed and hides behind every resident layer in between: spreading the resident layers evenly gives the
+    worst-hidden copy the most compute to hide behind. The first layer of a pass is the one whose copy has
+    the least time (it cannot be prefetched before the first cached pass), so it is resident first.
+    Measured in the benchmark notes: spread < first block < last block in exposed wait.
+    """
+    resident = max(0, min(resident, layers))
+    return sorted({i * layers // resident for i in range(resident)}) if resident else []
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Layer -> place for the `layers` a store expects, and the caps that hold for any layer beyond them.
+
+    places: the place of the i-th layer put (put order), for the expected layer count.
+    mode: the mode in effect (how streamed layers move: synchronously or prefetched).
+    reason: one sentence, shown in `stats()["reason"]`.
+    device_cap / host_cap: bytes the device / host RAM places may hold (None: no cap). Enforced per layer by
+        `place_of`, so layers larger or more numerous than expected never exceed a budget.
+    stream: where a layer goes that may not stay on the device (the plan's fastest streamed place).
+    """
+
+    places: Tuple[str, ...]
+    mode: Mode
+    reason: str
+    device_cap: Optional[int] = None
+    host_cap: Optional[int] = None
+    stream: str = FILE
+
+    def counts(self) -> Dict[str, int]:
+        out = dict.fromkeys(PLACES, 0)
+        for place in self.places:
+            out[place] += 1
+        return out
+
+    def place_of(self, index: int, nbytes: int, on_device: int, on_host: int) -> str:
+        """The place of the `index`-th layer put, `nbytes` as kept, given the bytes already on device / host.
+
+        Layers beyond the expected count get the plan's slowest place (its overflow), and every layer that
+        would push a place over its cap moves down one place: device -> the streamed place, host -> file.
+        """
+        place = self.places[index] if index < len(self.places) else (self.places[-1] if self.places else self.stream)
+        if place == DEVICE and self.device_cap is not None and on_device + nbytes > self.device_cap:
+            place = self.stream
+        if place in HOST_PLACES and self.host_cap is not None and on_host + nbytes > self.host_cap:
+            place = FILE
+        return place
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a plan is made from: the cache's size, the budgets and what is free right now.
+
+    layers / layer_bytes: expected layer count and bytes per layer as kept (after the codec).
+    slot_bytes: bytes of one device slot (a decoded layer), `slots` of them when anything streams.
+    pinnable: pinned copies exist here (CUDA and an asynchronous mode); else RAM layers are pageable.
+    unified: why host RAM is no separate pool (None: it is); then no RAM place is ever planned.
+    """
+
+    layers: int
+    layer_bytes: int
+    slot_bytes: int
+    slots: int
+    device_budget: Optional[int] = None
+    host_budget: Optional[int] = None
+    pin_budget: Optional[int] = None
+    free_device: Optional[int] = None
+    free_host: Optional[int] = None
+    pinnable: bool = True
+    unified: Optional[str] = None
+
+
+def make_plan(mode: Mode, f: Figures) -> Plan:
+    """The plan for a store in `mode` (already resolved, or `auto`)."""
+    if mode is Mode.GPU:
+        return Plan((DEVICE,) * f.layers, mode, "requested", stream=DEVICE)
+    if mode is Mode.AUTO:
+        return _auto_plan(f)
+    device_cap = f.device_budget
+    resident = _whole_layers(device_cap, f.layer_bytes, f.layers) if device_cap is not None else 0
+    if mode.is_file:
+        host_cap, pinned_cap = None, None
+    else:
+        host_cap = f.host_budget
+        pinned_cap = f.pin_budget if mode.is_async and f.pinnable else 0
+    places, parts = _fill(f, resident, host_cap, pinned_cap, file_only=mode.is_file)
+    stream = FILE if mode.is_file else (PINNED if mode.is_async and f.pinnable else PAGEABLE)
+    budgets = f.device_budget is not None or (host_cap is not None)
+    why = f"{mode.value}: " + _sentence(parts, f) if budgets else "requested"
+    return Plan(places, mode, why, device_cap=device_cap, host_cap=host_cap, stream=stream)
+
+
+def _auto_plan(f: Figures) -> Plan:
+    """Fill places in order of speed: device (free VRAM after the margin), pinned RAM, pageable RAM, files."""
+    total = f.layers * f.layer_bytes
+    device_room = room(f.free_device)
+    if total > device_room:  # something streams: its slots need room on the device too
+        device_room = max(0, device_room - f.slots * f.slot_bytes)
+    device_cap = device_room if f.device_budget is None else min(device_room, f.device_budget)
+    resident = _whole_layers(device_cap, f.layer_bytes, f.layers)
+    if f.unified is None:
+        host_room = room(f.free_host)
+        host_cap = host_room if f.host_budget is None else min(host_room, f.host_budget)
+        pinned_cap = f.pin_budget if f.pinnable else 0
+    else:
+        host_cap, pinned_cap = 0, 0
+    places, parts = _fill(f, resident, host_cap, pinned_cap, file_only=f.unified is not None)
+    if FILE in places:
+        mode = Mode.FILE_ASYNC
+    elif resident < f.layers:
+        mode = Mode.RAM_ASYNC
+    else:
+        mode = Mode.GPU
+    stream = FILE if f.unified is not None else (PINNED if f.pinnable else PAGEABLE)
+    why = "auto: " + _sentence(parts, f)
+    if f.unified is not None and resident < f.layers:
+        why += f" (RAM places disabled, {f.unified})"
+    return Plan(places, mode, why, device_cap=device_cap, host_cap=host_cap if f.unified is None else 0,
+                stream=stream)
+
+
+def _whole_layers(cap: Optional[int], layer_bytes: int, layers: int) -> int:
+    if cap is None:
+        return layers
+    return min(layers, cap // max(layer_bytes, 1))
+
+
+def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Optional[int],
+          file_only: bool) -> Tuple[Tuple[str, ...], List[Tuple[str, int, str]]]:
+    """Resident layers spread over the order; the streamed rest pinned, then pageable, then files."""
+    streamed = f.layers - resident
+    if file_only:
+        host, pinned = 0, 0
+    else:
+        host = streamed if host_cap is None else min(streamed, host_cap // max(f.layer_bytes, 1))
+        if pinned_cap is None:
+            pinned = host
+        else:
+            # Staging buffers of the file place come out of the same pin budget when anything spills.
+            staging = f.slots * f.slot_bytes if host < streamed else 0
+            pinned = min(host, max(0, pinned_cap - staging) // max(f.layer_bytes, 1))
+    files = streamed - host
+    order = [PINNED] * pinned + [PAGEABLE] * (host - pinned) + [FILE] * files
+    on_device = set(resident_indices(f.layers, resident))
+    rest = iter(order)
+    places = tuple(DEVICE if i in on_device else next(rest) for i in range(f.layers))
+    parts = [(DEVICE, resident, _device_why(f)), (PINNED, pinned, _pin_why(f)),
+             (PAGEABLE, host - pinned, _host_why(f)), (FILE, files, _file_why(f, host_cap, file_only))]
+    return places, parts
+
+
+def _gib(n: Optional[int]) -> str:
+    return "unknown" if n is None else (f"{n / GiB:.2f} GiB" if n >= GiB // 4 else f"{n / MiB:.1f} MiB")
+
+
+def _device_why(f: Figures) -> str:
+    if f.device_budget is not None:
+        return f"device_budget {_gib(f.device_budget)}"
+    return f"free device memory {_gib(f.free_device)}"
+
+
+def _pin_why(f: Figures) -> str:
+    return f"pin budget {_gib(f.pin_budget)}" if f.pin_budget is not None else "pinned RAM"
+
+
+def _host_why(f: Figures) -> str:
+    return f"host_budget {_gib(f.host_budget)}" if f.host_budget is not None else f"free RAM {_gib(f.free_host)}"
+
+
+def _file_why(f: Figures, host_cap: Optional[int], file_only: bool) -> str:
+    if file_only:
+        return "file mode" if f.unified is None else "no RAM place"
+    return "beyond " + (f"host_budget {_gib(f.host_budget)}" if f.host_budget is not None and
+                        (host_cap or 0) >= f.host_budget else f"free RAM {_gib(f.free_host)}")
+
+
+def _sentence(parts: List[Tuple[str, int, str]], f: Figures) -> str:
+    words = {DEVICE: "resident on the device", PINNED: "in pinned RAM", PAGEABLE: "in pageable RAM",
+             FILE: "in files"}
+    said = [f"{n} {words[place]} ({why})" for place, n, why in parts if n]
+    size = f"{f.layers} layers of {_gib(f.layer_bytes)}"
+    return f"{size}: " + ", ".join(said) if said else size
