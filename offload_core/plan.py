@@ -129,6 +129,7 @@ class Figures:
     slot_bytes: bytes of one device slot (a decoded layer), `slots` of them when anything streams.
     pinnable: pinned copies exist here (CUDA and an asynchronous mode); else RAM layers are pageable.
     unified: why host RAM is no separate pool (None: it is); then no RAM place is ever planned.
+    counted: False when `layers` is a guess (`ASSUMED_LAYERS`).
     """
 
     layers: int
@@ -142,6 +143,7 @@ class Figures:
     free_host: Optional[int] = None
     pinnable: bool = True
     unified: Optional[str] = None
+    counted: bool = True  # `layers` is the caller's figure, not a guess: resident layers can be spread
 
 
 def make_plan(mode: Mode, f: Figures) -> Plan:
@@ -215,7 +217,8 @@ def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Option
             pinned = min(host, max(0, pinned_cap - staging) // max(f.layer_bytes, 1))
     files = streamed - host
     order = [PINNED] * pinned + [PAGEABLE] * (host - pinned) + [FILE] * files
-    on_device = set(resident_indices(f.layers, resident))
+    # With a guessed layer count, spreading could leave budget unused when fewer layers come: fill from the front.
+    on_device = set(resident_indices(f.layers, resident) if f.counted else range(resident))
     rest = iter(order)
     places = tuple(DEVICE if i in on_device else next(rest) for i in range(f.layers))
     parts = [(DEVICE, resident, _device_why(f)), (PINNED, pinned, _pin_why(f)),
@@ -249,8 +252,10 @@ def _file_why(f: Figures, host_cap: Optional[int], file_only: bool) -> str:
 
 
 def _sentence(parts: List[Tuple[str, int, str]], f: Figures) -> str:
+    size = f"{f.layers} layers ({_gib(f.layers * f.layer_bytes)})"
+    if parts[0][1] == f.layers:
+        return f"all {size} fit {'within' if f.device_budget is not None else 'in'} {parts[0][2]}"
     words = {DEVICE: "resident on the device", PINNED: "in pinned RAM", PAGEABLE: "in pageable RAM",
              FILE: "in files"}
     said = [f"{n} {words[place]} ({why})" for place, n, why in parts if n]
-    size = f"{f.layers} layers of {_gib(f.layer_bytes)}"
-    return f"{size}: " + ", ".join(said) if said else size
+    return f"{size}: " + ", ".join(said)

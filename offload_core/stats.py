@@ -85,6 +85,7 @@ class StoreStats:
             "reason": store.reason,
             "layers": layers,
             "bytes": places,
+            "stored_bytes": dict(tier_bytes),  # what the places keep (no device slots; file staging included)
             "device_bytes": self.device_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             "resident_layers": self.resident_layers,
@@ -99,4 +100,6 @@ class StoreStats:
             "pinned_fallback": fallback is not None,
             "pinned_fallback_reason": fallback,
             "closed": store.closed,
+            "plan": store.placement(),
+            "storage": store.config.storage,
         }

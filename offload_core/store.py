@@ -1,11 +1,18 @@
 """`KVStore`: one cached prefix, put once per layer, got many times, then closed.
 
-The store holds the schedule; its tier knows how to move bytes. Layers not kept on the device come back
-through a ring of `depth + 1` device slots: when the consumer asks for layer i, the slot of the layer it
-used before is released (an event on the consumer's stream marks when the kernels that read it are done),
-layer i is waited for, and the next `depth` layers in the learned order are loaded into free slots. So at
-most `depth + 1` layers are ever resident on the device, and a slot is overwritten only after the work that
-read it has finished. Without CUDA the same code runs with every fence already complete.
+The store holds the schedule; a plan (`plan.py`) says where each layer is kept and the tiers of those places
+(`tiers/registry.py`) know how to move bytes. Resident layers (place `device`) are served as they are. Every
+other layer comes back through a ring of `depth + 1` device slots, whatever place it comes from: when the
+consumer asks for layer i, the slot of the layer it used before is released (an event on the consumer's
+stream marks when the kernels that read it are done), layer i is waited for, and the next `depth` streamed
+layers in the learned order are loaded into free slots (resident layers need no load and are skipped, so a
+copy hides behind every resident layer before its use). So at most the resident layers plus `depth + 1` are
+ever on the device, and a slot is overwritten only after the work that read it has finished. Without CUDA
+the same code runs with every fence already complete.
+
+With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
+tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
+copy it reads: resident layers too are kept encoded and decoded into a slot.
 """
 
 from __future__ import annotations
@@ -13,17 +20,20 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
+from .codec import codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .devices import DONE, Streams, unified_memory_reason
 from .hostmem import HostAllocator
 from .layout import LayerLayout, layout_for, views
-from .policy import ASSUMED_LAYERS, LayerOrder, choose_tier, resolve
+from .plan import ASSUMED_LAYERS, DEVICE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
+from .policy import LayerOrder
 from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
-from .tiers import DeviceTier, FileTier, Pending, RamTier, Tier, TierContext
+from .tiers import Pending, Tier, TierContext
+from .tiers.registry import PlaceOptions, open_tier
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +52,32 @@ def _engine_mode(method):
     return wrapper
 
 
+def same_pool_reason(device: torch.device) -> Optional[str]:
+    """Why `auto` must not plan RAM places beside this device beyond unified memory: the device is the CPU."""
+    return "the device is the CPU" if device.type == "cpu" else None
+
+
 class _Slot:
-    __slots__ = ("buffer", "key", "pending", "release")
+    __slots__ = ("buffer", "coded", "key", "pending", "release")
 
     def __init__(self) -> None:
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None  # the layer as served (the dtype put)
+        self.coded: Optional[torch.Tensor] = None  # with a codec: the encoded bytes a tier copies in
         self.key: Optional[Hashable] = None
         self.pending = Pending()
         self.release = DONE
 
 
 class KVStore:
-    """Holds the K/V of one prefix (one request, one CFG branch) on the tier chosen by `config`.
+    """Holds the K/V of one prefix (one request, one CFG branch) where the plan of `config` puts each layer.
 
     Args:
         config: a validated `OffloadConfig`; mode `off` is refused (no cache means no store).
         device: the consuming device; `put` takes tensors on it and `get` returns tensors on it.
         host: the host application's services (pinning, streams, free memory, temp dir).
-        expected_bytes: the size of the whole cache, for `auto`; default: first layer x 60 layers.
+        expected_bytes: the size of the whole cache as put (exact dtype), for the plan: the expected layer
+            count is `expected_bytes` over the first layer's size; default 60 layers. Layers beyond the
+            expectation get the plan's slowest place, and never push a place over its budget.
         name: shown in logs and stats (e.g. "cond", "uncond").
     """
 
@@ -78,43 +96,81 @@ class KVStore:
         self._host = host or HostServices()
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
+        self._codec = codec_for(config.storage)
         self.requested = config.mode
         self.mode: Optional[Mode] = None
         self.reason = "auto: decided at the first put"
-        self._tier: Optional[Tier] = None
+        self.plan: Optional[Plan] = None
+        self._streams: Optional[Streams] = None
+        self._tiers: Dict[str, Tier] = {}
+        self._where: Dict[Hashable, str] = {}
+        self._resident: Set[Hashable] = set()  # layers kept on the device, served without a load
+        self._used = {DEVICE: 0, "host": 0}
         self._slots: List[_Slot] = []
         self._layouts: Dict[Hashable, LayerLayout] = {}
+        self._kept: Dict[Hashable, LayerLayout] = {}
         self._order = LayerOrder()
         self._current: Optional[_Slot] = None
         self.closed = False
+        self.depth = 0
         self._stats = StoreStats()
         if config.mode is not Mode.AUTO:
-            self._open(*resolve(config.mode, self._unified))
+            mode, reason = resolve(config.mode, self._unified)
+            if mode is not self.requested:
+                log.warning("KV offload%s: %s", self._tag, reason)
+            self.mode, self.reason = mode, reason
+            self._open_schedule(mode.is_async)
+
+    @property
+    def _tag(self) -> str:
+        return f" [{self.name}]" if self.name else ""
 
     # -- lifecycle -------------------------------------------------------------------------------------------
-    def _open(self, mode: Mode, reason: str) -> None:
-        self.mode, self.reason = mode, reason
-        if mode is not self.requested and self.requested is not Mode.AUTO:
-            log.warning("KV offload%s: %s", f" [{self.name}]" if self.name else "", reason)
-        depth = self.config.depth if mode.is_async else 0
-        cuda = self.device.type == "cuda"
+    def _open_schedule(self, asynchronous: bool) -> None:
+        """Streams, allocators and the ring; tiers open per place at the first layer placed there."""
+        self.depth = self.config.depth if asynchronous else 0
         budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
-        allocator = HostAllocator(mode.is_async and cuda, budget, self._host.pin, self._host.unpin)
-        self._streams = Streams(self.device, mode.is_async, self._host.stream)
-        ctx = TierContext(self.device, self._streams, allocator, depth)
-        self._allocator, self.depth = allocator, depth
-        if mode is Mode.GPU:
-            self._tier = DeviceTier(ctx)
-        elif mode.is_ram:
-            self._tier = RamTier(ctx)
-        else:
+        self._allocator = HostAllocator(asynchronous and self.device.type == "cuda", budget,
+                                        self._host.pin, self._host.unpin)
+        self._pageable = HostAllocator(False, 0)
+        self._streams = Streams(self.device, asynchronous, self._host.stream)
+        self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
+        self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
+        # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
+        # dict itself, so tiers opened later are closed too.
+        self._finalizer = weakref.finalize(self, _close_tiers, self._tiers, self._streams)
+
+    def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
+        exact = layout.k.nbytes + layout.v.nbytes
+        layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
+        auto = self.requested is Mode.AUTO
+        if auto:
+            self._open_schedule(True)
+        budget = self._allocator.budget
+        figures = Figures(
+            layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
+            slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
+            device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
+            free_device=free_device_memory(self.device, self._host) if auto else None,
+            free_host=free_host_memory(self._host) if auto else None,
+            pinnable=self._allocator.pin, unified=self._unified or same_pool_reason(self.device),
+            counted=self._expected is not None)
+        self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
+        if auto:
+            self.mode, self.reason = self.plan.mode, self.plan.reason
+        elif self.plan.reason != "requested":
+            self.reason = self.plan.reason
+        counts = ", ".join(f"{place} {n}" for place, n in self.plan.counts().items() if n)
+        log.info("KV offload%s: tier %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
+                 self.mode.value, self.reason, counts, self.config.storage, self.depth)
+
+    def _tier(self, place: str) -> Tier:
+        tier = self._tiers.get(place)
+        if tier is None:
             parent = self.config.file_dir or (self._host.temp_dir() if self._host.temp_dir else None)
-            self._tier = FileTier(ctx, parent, self.config.bypass, mode is Mode.FILE_ASYNC)
-        self._slots = [] if self._tier.on_device else [_Slot() for _ in range(depth + 1)]
-        # A safety net for stores that are dropped without close(): files and pinned pages still go away.
-        self._finalizer = weakref.finalize(self, _close_tier, self._tier, self._streams)
-        log.info("KV offload%s: tier %s (%s), prefetch depth %d", f" [{self.name}]" if self.name else "",
-                 mode.value, reason, depth)
+            opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
+            tier = self._tiers[place] = open_tier(place, self._ctx, opts)
+        return tier
 
     @_engine_mode
     def close(self) -> None:
@@ -130,10 +186,10 @@ class KVStore:
                 slot.pending.cancel()
         finally:
             self._current = None
-            if self._tier is not None:
+            if self._streams is not None:
                 self._finalizer()  # background work finished, then buffers freed and files deleted
                 self._streams.resolve(block=True)
-                log.info("KV offload%s: closed; %s", f" [{self.name}]" if self.name else "", self._stats.summary(self._streams))
+                log.info("KV offload%s: closed; %s", self._tag, self._stats.summary(self._streams))
             # Device slots go last: no copy into them can be in flight any more.
             self._slots = []
             self._stats.device_bytes = 0
@@ -155,28 +211,29 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         layout = layout_for(k, v)
-        if self._tier is None:
-            need = self._expected if self._expected is not None else layout.data_bytes * ASSUMED_LAYERS
-            self._open(*self._choose(need))
-        self._tier.store(key, k, v, layout)
-        self._layouts[key] = layout
-        self._order.add(key)
-        if self._tier.on_device:
-            self._stats.add_device(layout.k.nbytes + layout.v.nbytes, layers=1)
+        if self._codec is not None:  # quantised on the device, before any byte moves
+            k, v = self._codec.encode(k), self._codec.encode(v)
+            kept = layout_for(k, v)
         else:
-            self._stats.count_transfer(layout.data_bytes)
-
-    def _choose(self, need: int) -> Tuple[Mode, str]:
-        # On a CPU device the "device" memory is host RAM: keeping the cache there or in a RAM tier is the same.
-        unified = self._unified or ("the device is the CPU" if self.device.type == "cpu" else None)
-        budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
-        mode, why = choose_tier(need, free_device_memory(self.device, self._host), free_host_memory(self._host),
-                                unified, budget)
-        return mode, f"auto: {why}"
+            kept = layout
+        if self.plan is None:
+            self._make_plan(layout, kept)
+        place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
+        self._tier(place).store(key, k, v, kept)
+        self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
+        self._order.add(key)
+        if place == DEVICE:
+            self._used[DEVICE] += kept.data_bytes
+            self._resident.add(key)
+            self._stats.add_device(kept.k.nbytes + kept.v.nbytes, layers=1)
+        else:
+            if place in HOST_PLACES:
+                self._used["host"] += kept.data_bytes
+            self._stats.count_transfer(kept.data_bytes)
 
     @_engine_mode
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V of layer `key` on the device, bit-identical to what was put.
+        """K and V of layer `key` on the device, in the dtype put (bit-identical for `storage="exact"`).
 
         Valid until the next `get` on this store or `close()`; the next layers are prefetched meanwhile.
         """
@@ -185,8 +242,9 @@ class KVStore:
         if layout is None:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._stats.gets += 1
-        if self._tier.on_device:
-            return self._tier.view(key)
+        direct = key in self._resident and self._codec is None
+        if direct and len(self._resident) == len(self._layouts):
+            return self._tiers[DEVICE].view(key)  # everything resident as put: nothing to schedule
         if self._current is not None and self._current.key == key:
             return views(self._current.buffer, layout)  # the same layer again: not a new pass, nothing moves
         self._order.observe(key)
@@ -194,21 +252,43 @@ class KVStore:
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
         # the consumer is stalled; copies queued on the side stream are not.
         with self._streams.timed("wait"):
+            if direct:
+                self._prefetch_after(key)  # the next streamed layers' copies hide behind this layer's compute
+                return self._tiers[DEVICE].view(key)
             slot = self._slot_of(key)
             if slot is None:  # not prefetched: the consumer waits for the whole load
-                self._stats.misses += 1
-                slot = self._load(key, self._spare_slot(keep=()))
+                if key not in self._resident:
+                    self._stats.misses += 1
+                slot = self._load(key, self._spare_slot(keep=set(self._ahead(key))))
             self._prefetch_after(key)
             try:
                 slot.pending.wait(self._streams.consumer())
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
+        if self._codec is not None:
+            self._decode(key, slot)
         self._current = slot
         return views(slot.buffer, layout)
 
+    def _decode(self, key: Hashable, slot: _Slot) -> None:
+        # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
+        # next load waits for the release fence recorded after this decode and the kernels reading its output.
+        kept = self._kept[key]
+        try:
+            source = self._tiers[DEVICE].view(key) if key in self._resident else views(slot.coded, kept)
+            out_k, out_v = views(slot.buffer, self._layouts[key])
+            self._codec.decode(source[0], out_k)
+            self._codec.decode(source[1], out_v)
+        except BaseException:
+            slot.key = None
+            raise
+
+    def _ahead(self, key: Hashable) -> List[Hashable]:
+        return self._order.ahead(key, self.depth, skip=self._resident)
+
     def _prefetch_after(self, key: Hashable) -> None:
-        ahead = self._order.ahead(key, self.depth)
+        ahead = self._ahead(key)
         for nxt in ahead:
             if self._slot_of(nxt) is None:
                 spare = self._spare_slot(keep={key, *ahead})
@@ -237,49 +317,85 @@ class KVStore:
         return empty or next((s for s in self._slots if s.key not in keep), None)
 
     def _load(self, key: Hashable, slot: _Slot) -> _Slot:
-        layout = self._layouts[key]
-        if slot.buffer is None or slot.buffer.numel() < layout.data_bytes:
-            slot.pending.settle()  # the old buffer may still be the target of a copy
-            old = slot.buffer.numel() if slot.buffer is not None else 0
-            slot.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=self.device)
-            # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
-            # a copy on the side stream must not start before they have run.
-            slot.release = self._streams.record()
-            self._stats.add_device(layout.data_bytes - old, layers=0)
+        layout, kept = self._layouts[key], self._kept[key]
+        coded = kept.data_bytes if self._codec is not None and key not in self._resident else 0
+        self._fit_slot(slot, layout.data_bytes, coded)
         slot.key = None  # set only once the load is queued: a failed load must never be served
-        slot.pending = self._tier.load(key, slot.buffer, slot.release)
+        if key in self._resident:
+            slot.pending = Pending()  # decoded at `get` straight from the resident bytes: nothing to copy
+        else:
+            target = slot.coded if self._codec is not None else slot.buffer
+            slot.pending = self._tiers[self._where[key]].load(key, target, slot.release)
+            self._stats.count_transfer(kept.data_bytes)
         slot.key = key
-        self._stats.count_transfer(layout.data_bytes)
-        self._stats.set_resident(sum(1 for s in self._slots if s.key is not None))
+        self._stats.set_resident(len(self._resident) + sum(1 for s in self._slots if s.key is not None))
         return slot
+
+    def _fit_slot(self, slot: _Slot, nbytes: int, coded: int) -> None:
+        small = slot.buffer is None or slot.buffer.numel() < nbytes
+        small_coded = coded and (slot.coded is None or slot.coded.numel() < coded)
+        if not (small or small_coded):
+            return
+        slot.pending.settle()  # the old buffers may still be the target of a copy
+        grown = 0
+        if small:
+            grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
+            slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if small_coded:
+            grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
+            slot.coded = torch.empty(coded, dtype=torch.uint8, device=self.device)
+        # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
+        # a copy on the side stream must not start before they have run.
+        slot.release = self._streams.record()
+        self._stats.add_device(grown, layers=0)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
 
     # -- reporting -------------------------------------------------------------------------------------------
+    def placement(self) -> Dict[str, int]:
+        """Layers put so far, per place (what `stats()["plan"]` reports)."""
+        out = dict.fromkeys(PLACES, 0)
+        for place in self._where.values():
+            out[place] += 1
+        return out
+
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
-        tier_bytes = self._tier.nbytes() if self._tier is not None and not self.closed else {}
-        info = self._tier.info() if self._tier is not None else {}
-        if self._tier is not None:
+        tier_bytes: Dict[str, int] = {}
+        info: Dict[str, object] = {}
+        for tier in self._tiers.values():
+            if not self.closed:
+                for place, n in tier.nbytes().items():
+                    tier_bytes[place] = tier_bytes.get(place, 0) + n
+            info.update(tier.info())
+        opened = self._streams is not None
+        if opened:
             self._streams.resolve(block=False)
         return self._stats.as_dict(
-            self, len(self._layouts), tier_bytes, info, self._streams if self._tier is not None else None,
-            self._allocator.fallback_reason if self._tier is not None else None,
+            self, len(self._layouts), tier_bytes, info, self._streams if opened else None,
+            self._allocator.fallback_reason if opened else None,
         )
 
 
-def _close_tier(tier: Tier, streams: Streams) -> None:
+def _close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
     # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
-    # before the tier frees or deletes anything.
+    # before any tier frees or deletes anything.
     try:
         streams.synchronize()
         if streams.asynchronous:
             torch.cuda.current_stream(streams.device).synchronize()
     finally:
-        tier.close()
+        errors = []
+        for tier in list(tiers.values()):  # every tier is closed, whichever fails
+            try:
+                tier.close()
+            except BaseException as exc:
+                errors.append(exc)
         streams.synchronize()
+        if errors:
+            raise errors[0]
 
 
 def _check_device(device) -> torch.device:

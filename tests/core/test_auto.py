@@ -23,7 +23,7 @@ def test_auto_keeps_the_cache_on_the_device_when_it_fits():
     stats = run_auto(HostServices(free_device_memory=lambda d: 64 * GiB, free_host_memory=lambda: 64 * GiB),
                      expected_bytes=2 * GiB)
     assert stats["requested"] == "auto" and stats["tier"] == "gpu"
-    assert "fits in free device memory" in stats["reason"]
+    assert "fit in free device memory" in stats["reason"] and stats["plan"]["device"] == 1
 
 
 def test_auto_goes_to_files_when_memory_is_short():

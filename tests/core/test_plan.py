@@ -24,7 +24,7 @@ def free(n_layers):
 def test_auto_plenty_of_vram_keeps_everything_resident():
     plan = make_plan(Mode.AUTO, figures(free_device=64 * GiB, free_host=64 * GiB))
     assert plan.counts() == {DEVICE: 32, PINNED: 0, PAGEABLE: 0, FILE: 0} and plan.mode is Mode.GPU
-    assert plan.reason.startswith("auto: 32 layers") and "resident on the device" in plan.reason
+    assert plan.reason.startswith("auto: all 32 layers (2.00 GiB) fit in free device memory")
 
 
 def test_auto_tight_vram_plenty_of_ram_is_partly_resident():

@@ -1,0 +1,156 @@
+"""Mixed placements through the store: bounds on the device and host, `auto`'s full plan, compact storage."""
+
+import pytest
+import torch
+
+import offload_core.store as store_module
+from offload_core import HostServices, KVStore, OffloadConfig
+from offload_core.plan import RESERVE_BYTES, GiB
+
+SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout
+LAYER = 16384
+N = 32
+
+
+def make_layers(n=N, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(SHAPE, generator=gen).to(dtype), torch.randn(SHAPE, generator=gen).to(dtype))
+            for _ in range(n)]
+
+
+def run(config, layers, steps=3, host=None, expected=None, check=lambda store: None):
+    """Put every layer, then `steps` passes of gets; returns (what each pass served, last stats)."""
+    served = []
+    with KVStore(config, "cpu", host=host, expected_bytes=expected) as store:
+        for i, (k, v) in enumerate(layers):
+            store.put(i, k, v)
+            check(store)
+        for _ in range(steps):
+            out = []
+            for i in range(len(layers)):
+                k, v = store.get(i)
+                out.append((k.clone(), v.clone()))
+                check(store)
+            served.append(out)
+        stats = store.stats()
+    return served, stats
+
+
+PLANS = [
+    {"mode": "ram_async", "device_budget": 8 * LAYER},
+    {"mode": "file_async", "device_budget": 16 * LAYER, "prefetch_depth": 3},
+    {"mode": "ram_sync", "host_budget": 10 * LAYER},
+    {"mode": "ram_async", "device_budget": 8 * LAYER, "host_budget": 8 * LAYER, "prefetch_depth": 2},
+]
+
+
+@pytest.mark.parametrize("fields", PLANS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
+    config = OffloadConfig(file_dir=str(tmp_path) if fields["mode"].startswith("file") or "host_budget" in fields
+                           else None, **fields)
+    layers = make_layers()
+    depth = config.depth
+    staging = (depth + 1) * (LAYER + 2 * 4096)  # the file place's staging buffers: header + data each
+    peaks = {"host": 0}
+
+    def check(store):
+        stats = store.stats()
+        host = stats["bytes"]["host_pinned"] + stats["bytes"]["host_pageable"]
+        peaks["host"] = max(peaks["host"], host)
+        assert stats["resident_layers"] <= stats["plan"]["device"] + depth + 1
+
+    served, stats = run(config, layers, check=check)
+    for out in served:
+        for (k, v), (k0, v0) in zip(out, layers):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+    resident = stats["plan"]["device"]
+    assert stats["peak_resident_layers"] <= resident + depth + 1
+    assert stats["peak_device_bytes"] <= resident * LAYER + (depth + 1) * LAYER
+    if "device_budget" in fields:
+        assert resident == fields["device_budget"] // LAYER
+    if "host_budget" in fields:
+        assert peaks["host"] <= fields["host_budget"] + staging and stats["plan"]["file"] > 0
+    assert sum(stats["plan"].values()) == N and stats["reason"].startswith(fields["mode"] + ": ")
+    # Resident layers need no load, so the next streamed layer is always in flight when asked for.
+    if config.depth:
+        assert stats["misses"] <= 1  # only the first get of the first pass: nothing is prefetched before it
+
+
+@pytest.fixture
+def discrete_device(monkeypatch):
+    """Plans for the CPU as if it were a discrete GPU beside separate RAM (a stand-in for hardware we lack).
+
+    Nothing is pinned without CUDA, so the RAM layers are planned pageable."""
+    monkeypatch.setattr(store_module, "same_pool_reason", lambda device: None)
+
+
+def room_for(layers):
+    need = layers * LAYER
+    return need + need // 2 + RESERVE_BYTES
+
+
+@pytest.mark.parametrize("free_device, free_host, expect, words", [
+    (64 * GiB, 64 * GiB, {"device": N}, "all 32 layers (0.5 MiB) fit in free device memory"),
+    (room_for(12), 64 * GiB, {"device": 10, "host_pageable": 22}, "10 resident on the device"),
+    (room_for(6), room_for(10), {"device": 4, "host_pageable": 10, "file": 18}, "18 in files (beyond free RAM"),
+], ids=["plenty", "tight-vram", "tight-both"])
+def test_auto_builds_a_full_plan_from_free_figures(discrete_device, free_device, free_host, expect, words, tmp_path):
+    host = HostServices(free_device_memory=lambda d: free_device, free_host_memory=lambda: free_host,
+                        temp_dir=lambda: str(tmp_path))
+    layers = make_layers()
+    served, stats = run(OffloadConfig(mode="auto"), layers, steps=2, host=host, expected=N * LAYER)
+    assert {place: n for place, n in stats["plan"].items() if n} == expect
+    assert stats["reason"].startswith("auto: ") and words in stats["reason"], stats["reason"]
+    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], layers))
+
+
+def test_auto_on_unified_memory_never_plans_ram(monkeypatch, tmp_path):
+    monkeypatch.setattr(store_module, "same_pool_reason", lambda device: "unified memory (stand-in)")
+    host = HostServices(free_device_memory=lambda d: room_for(6), free_host_memory=lambda: 64 * GiB,
+                        temp_dir=lambda: str(tmp_path))
+    _, stats = run(OffloadConfig(mode="auto"), make_layers(), steps=1, host=host, expected=N * LAYER)
+    assert stats["plan"]["host_pinned"] == stats["plan"]["host_pageable"] == 0 and stats["plan"]["file"] > 0
+    assert "RAM places disabled, unified memory (stand-in)" in stats["reason"]
+
+
+def test_layers_beyond_the_expectation_respect_the_budgets(tmp_path):
+    # Told 4 layers, given 32: the device keeps what its budget allows, RAM its budget, the rest goes to files.
+    config = OffloadConfig(mode="ram_async", device_budget=3 * LAYER, host_budget=5 * LAYER, file_dir=str(tmp_path))
+    served, stats = run(config, make_layers(), steps=2, expected=4 * 2 * 8192)
+    assert stats["plan"] == {"device": 3, "host_pinned": 0, "host_pageable": 5, "file": 24}
+    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], make_layers()))
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    layers = [(torch.randn(1, 8, 64, 128, generator=gen).bfloat16(), torch.randn(1, 8, 64, 128, generator=gen).bfloat16())
+              for _ in range(8)]
+    layer = 2 * 8 * 64 * 128 * 2
+    exact = run(OffloadConfig(mode="gpu"), layers, steps=1)[1]["stored_bytes"]["device"]
+    configs = {
+        "gpu": OffloadConfig(mode="gpu", storage=storage),
+        "ram": OffloadConfig(mode="ram_async", storage=storage),
+        "file": OffloadConfig(mode="file_sync", storage=storage, file_dir=str(tmp_path)),
+        "mixed": OffloadConfig(mode="ram_async", storage=storage, device_budget=3 * layer // 2,
+                               host_budget=3 * layer // 2, file_dir=str(tmp_path)),
+    }
+    results = {name: run(config, layers, steps=2) for name, config in configs.items()}
+    gpu_served, gpu_stats = results["gpu"]
+    # gpu + fp8/int8: half the VRAM of the cache, plus one slot the consumer reads decoded layers from.
+    assert gpu_stats["stored_bytes"]["device"] <= 0.55 * exact and gpu_stats["storage"] == storage
+    assert gpu_stats["peak_device_bytes"] <= gpu_stats["stored_bytes"]["device"] + layer
+    ram = results["ram"][1]["stored_bytes"]
+    assert ram["host_pinned"] + ram["host_pageable"] <= 0.55 * exact
+    moved = results["ram"][1]["transfers"]
+    assert moved["bytes"] <= 0.55 * layer * moved["count"]  # every copy moves the encoded bytes only
+    assert results["mixed"][1]["plan"]["device"] == 2 and results["mixed"][1]["plan"]["file"] > 0
+    bound = {"fp8": 0.04, "int8": 0.015}[storage]
+    for (k, v), (k0, v0) in zip(gpu_served[-1], layers):
+        assert k.dtype == k0.dtype and k.shape == k0.shape
+        assert ((k.float() - k0.float()).norm() / k0.float().norm()) <= bound
+        assert ((v.float() - v0.float()).norm() / v0.float().norm()) <= bound
+    for name, (served, _) in results.items():
+        for out in served:  # the codec is deterministic: every place serves the same decoded values
+            for (k, v), (gk, gv) in zip(out, gpu_served[-1]):
+                assert torch.equal(k, gk) and torch.equal(v, gv), name
