@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from .config import HostServices, Mode, OffloadConfig
-from .devices import DONE, Streams, unified_memory_reason
+from .devices import DONE, Streams, open_streams, unified_memory_reason
 from .hostmem import HostAllocator
 from .layout import LayerLayout, layout_for, views
 from .policy import ASSUMED_LAYERS, LayerOrder, choose_tier, resolve
 from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
 from .tiers import DeviceTier, FileTier, Pending, RamTier, Tier, TierContext
+from .tiers.base import check_unmodified
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,16 @@ def _engine_mode(method):
     return wrapper
 
 
+def _one_consumer(method):
+    """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._check_consumer(method.__name__)
+        with self._busy:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class _Slot:
     __slots__ = ("buffer", "key", "pending", "release")
 
@@ -55,9 +67,13 @@ class _Slot:
 class KVStore:
     """Holds the K/V of one prefix (one request, one CFG branch) on the tier chosen by `config`.
 
+    A store serves one consumer: `put` and `get` must come from one thread (the first that calls either);
+    another thread gets a `RuntimeError`, since the tensors of a `get` are only valid until the next one.
+    `stats()` may be called from any thread; `close()` too (it waits for a `put` or `get` in progress).
+
     Args:
         config: a validated `OffloadConfig`; mode `off` is refused (no cache means no store).
-        device: the consuming device; `put` takes tensors on it and `get` returns tensors on it.
+        device: the consuming device ('cpu', 'cuda[:i]' or 'mps'); `put` takes tensors on it, `get` returns them.
         host: the host application's services (pinning, streams, free memory, temp dir).
         expected_bytes: the size of the whole cache, for `auto`; default: first layer x 60 layers.
         name: shown in logs and stats (e.g. "cond", "uncond").
@@ -86,6 +102,9 @@ class KVStore:
         self._layouts: Dict[Hashable, LayerLayout] = {}
         self._order = LayerOrder()
         self._current: Optional[_Slot] = None
+        self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
+        self._owner: Optional[threading.Thread] = None
+        self._owner_lock, self._busy = threading.Lock(), threading.RLock()
         self.closed = False
         self._stats = StoreStats()
         if config.mode is not Mode.AUTO:
@@ -100,7 +119,7 @@ class KVStore:
         cuda = self.device.type == "cuda"
         budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
         allocator = HostAllocator(mode.is_async and cuda, budget, self._host.pin, self._host.unpin)
-        self._streams = Streams(self.device, mode.is_async, self._host.stream)
+        self._streams = open_streams(self.device, mode.is_async, self._host.stream)
         ctx = TierContext(self.device, self._streams, allocator, depth)
         self._allocator, self.depth = allocator, depth
         if mode is Mode.GPU:
@@ -122,9 +141,14 @@ class KVStore:
 
         Idempotent; runs the same on normal completion, interruption and exceptions.
         """
+        with self._busy:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self._served = None
         try:
             for slot in self._slots:
                 slot.pending.cancel()
@@ -147,6 +171,7 @@ class KVStore:
 
     # -- put / get -------------------------------------------------------------------------------------------
     @_engine_mode
+    @_one_consumer
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
@@ -175,20 +200,23 @@ class KVStore:
         return mode, f"auto: {why}"
 
     @_engine_mode
+    @_one_consumer
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, bit-identical to what was put.
 
-        Valid until the next `get` on this store or `close()`; the next layers are prefetched meanwhile.
+        Valid until the next `get` on this store or `close()`, and read-only: they are the store's own buffers
+        (a write into them is detected at the next `get`, which raises). The next layers are prefetched meanwhile.
         """
         self._check_open("get")
         layout = self._layouts.get(key)
         if layout is None:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
+        self._check_served()
         self._stats.gets += 1
         if self._tier.on_device:
-            return self._tier.view(key)
+            return self._serve(key, *self._tier.view(key))
         if self._current is not None and self._current.key == key:
-            return views(self._current.buffer, layout)  # the same layer again: not a new pass, nothing moves
+            return self._serve(key, *views(self._current.buffer, layout))  # the same layer again: nothing moves
         self._order.observe(key)
         self._release_current()
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
@@ -205,7 +233,19 @@ class KVStore:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
         self._current = slot
-        return views(slot.buffer, layout)
+        return self._serve(key, *views(slot.buffer, layout))
+
+    def _serve(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self._served = (key, k, v, k._version + v._version)
+        return k, v
+
+    def _check_served(self) -> None:
+        # Views of one slot share its version counter, and every tier's get hands out tensors with one, so an
+        # in-place write by the consumer is seen here the same way on every tier.
+        served, self._served = self._served, None
+        if served is not None and served[1]._version + served[2]._version != served[3]:
+            self._release_current()  # an offloaded tier reloads the layer clean next time
+            check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
     def _prefetch_after(self, key: Hashable) -> None:
         ahead = self._order.ahead(key, self.depth)
@@ -241,7 +281,7 @@ class KVStore:
         if slot.buffer is None or slot.buffer.numel() < layout.data_bytes:
             slot.pending.settle()  # the old buffer may still be the target of a copy
             old = slot.buffer.numel() if slot.buffer is not None else 0
-            slot.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=self.device)
+            slot.buffer = self._streams.empty(layout.data_bytes)
             # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
             # a copy on the side stream must not start before they have run.
             slot.release = self._streams.record()
@@ -256,6 +296,17 @@ class KVStore:
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
+
+    def _check_consumer(self, what: str) -> None:
+        me = threading.current_thread()
+        with self._owner_lock:
+            if self._owner is None:
+                self._owner = me
+        if self._owner is not me:
+            raise RuntimeError(
+                f"KVStore.{what}: store {self.name!r} serves one consumer, thread {self._owner.name!r} (the first "
+                f"to put or get); called from thread {me.name!r}. A get's tensors are only valid until the next "
+                "get, so two threads would read each other's layers. Create one store per consumer thread.")
 
     # -- reporting -------------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -274,9 +325,7 @@ def _close_tier(tier: Tier, streams: Streams) -> None:
     # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
     # before the tier frees or deletes anything.
     try:
-        streams.synchronize()
-        if streams.asynchronous:
-            torch.cuda.current_stream(streams.device).synchronize()
+        streams.drain()
     finally:
         tier.close()
         streams.synchronize()
@@ -287,6 +336,9 @@ def _check_device(device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"KVStore: `device` {device!r} is not a torch device ({exc}). Pass e.g. 'cuda:0'.") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"KVStore: `device` must be a cpu, cuda or mps device; got {str(device)!r}, which holds no "
+                         "data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"KVStore: `device` is {device}, but CUDA is not available here. Pass device='cpu'.")
