@@ -170,3 +170,22 @@ def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
     store._slot_of(2).pending._future.exception(timeout=60)
     store.close()
     assert store.closed and list(tmp_path.iterdir()) == []
+
+
+def test_a_session_closes_every_branch_even_when_one_close_is_interrupted():
+    pytest.importorskip("diffusers", reason="the diffusers adapter needs diffusers")
+    from offload_core.diffusers.session import OffloadSession
+
+    session = OffloadSession(pipe=None, config=OffloadConfig(mode="ram_sync"), host=None)
+    cond, uncond = (session.open_store(torch.device("cpu"), None) for _ in range(2))
+    for store in (cond, uncond):
+        store.put(0, *make_layers([0], torch.float32)[0])
+
+    def interrupted_close():
+        KVStore.close(cond)
+        raise KeyboardInterrupt  # e.g. Ctrl-C pressed while the first branch closes
+
+    cond.close = interrupted_close
+    with pytest.raises(KeyboardInterrupt):
+        session.end_request(raise_errors=False)
+    assert cond.closed and uncond.closed and session.live_stores == []
