@@ -8,6 +8,7 @@ through `HostServices`, as plain callables.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 from dataclasses import dataclass
@@ -250,5 +251,19 @@ class HostServices:
     temp_dir: Optional[Callable[[], str]] = None
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None and not callable(value):
+                raise ValueError(
+                    f"HostServices: `{field.name}` must be a callable or None; got {value!r} "
+                    f"({type(value).__name__}). Pass a function, e.g. {field.name}={_EXAMPLES[field.name]}.")
         if (self.pin is None) != (self.unpin is None):
             raise ValueError("HostServices: `pin` and `unpin` come as a pair; got only one of them. Pass both or neither.")
+
+
+_EXAMPLES = {
+    "free_device_memory": "lambda device: torch.cuda.mem_get_info(device)[0]",
+    "free_host_memory": "lambda: psutil.virtual_memory().available",
+    "pin": "lambda tensor: False", "unpin": "lambda tensor: None",
+    "stream": "lambda device: None", "temp_dir": "tempfile.gettempdir",
+}

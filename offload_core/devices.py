@@ -3,6 +3,10 @@
 On CUDA, copies run on one side stream per store and completion is tracked with events. Everywhere else
 (CPU, MPS) the same calls run synchronously: `Fence` is already complete, the stream context is
 `nullcontext()`, so the scheduling code in `store.py` is one code path that CPU tests exercise fully.
+
+Every copy, device allocation and fence of the stores and tiers goes through `Streams`, so that the CPU tests
+can swap it (through `open_streams`) for a model of CUDA ordering in which queued work really is deferred
+(`tests/core/simcuda.py`): there a missing fence shows up as wrong data or a reported violation.
 """
 
 from __future__ import annotations
@@ -91,6 +95,20 @@ class Streams:
         side = self.side
         return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
 
+    # -- the operations the tiers queue (on the current stream: the consumer's, or the side one in on_side) --
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """`dst.copy_(src)` queued on the current stream."""
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer on the device, from the caching allocator on the current stream."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        """Keeps the caching allocator from reusing `tensor`'s memory until work queued on `stream` so far ran."""
+        if stream is not None:
+            tensor.record_stream(stream)
+
     def record(self, stream=None) -> Fence:
         """A fence after everything queued so far on `stream` (default: the current stream)."""
         if not self.cuda:
@@ -137,6 +155,21 @@ class Streams:
             self._pending = keep
 
     def synchronize(self) -> None:
-        """Waits for every copy queued on the side stream (used by close before freeing anything)."""
+        """Waits for every copy queued on the side stream."""
         if self._side is not None:
             self._side.synchronize()
+
+    def drain(self) -> None:
+        """Waits for all work on the side stream and, with asynchronous copies, on the consumer's stream: what
+        close() does before freeing anything either of them may still read or write."""
+        self.synchronize()
+        if self.asynchronous:
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def open_streams(device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None) -> Streams:
+    """The `Streams` of a new store: the one seam through which tests run stores on a model of CUDA ordering."""
+    return streams_factory(device, asynchronous, stream_fn)
+
+
+streams_factory: Callable[..., Streams] = Streams  # replaced only by tests (see the module docstring)

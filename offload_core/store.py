@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from typing import Dict, Hashable, List, Optional, Set, Tuple
 
@@ -26,13 +27,14 @@ import torch
 
 from .codec import codec_for
 from .config import HostServices, Mode, OffloadConfig
-from .devices import DONE, Streams, unified_memory_reason
+from .devices import DONE, Streams, open_streams, unified_memory_reason
 from .hostmem import HostAllocator
 from .layout import LayerLayout, layout_for, views
 from .plan import ASSUMED_LAYERS, DEVICE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
 from .tiers import Pending, Tier, TierContext
+from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, open_tier
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,16 @@ def _engine_mode(method):
     def wrapper(*args, **kwargs):
         with torch.inference_mode(False), torch.no_grad():
             return method(*args, **kwargs)
+    return wrapper
+
+
+def _one_consumer(method):
+    """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._check_consumer(method.__name__)
+        with self._busy:
+            return method(self, *args, **kwargs)
     return wrapper
 
 
@@ -71,9 +83,13 @@ class _Slot:
 class KVStore:
     """Holds the K/V of one prefix (one request, one CFG branch) where the plan of `config` puts each layer.
 
+    A store serves one consumer: `put` and `get` must come from one thread (the first that calls either);
+    another thread gets a `RuntimeError`, since the tensors of a `get` are only valid until the next one.
+    `stats()` may be called from any thread; `close()` too (it waits for a `put` or `get` in progress).
+
     Args:
         config: a validated `OffloadConfig`; mode `off` is refused (no cache means no store).
-        device: the consuming device; `put` takes tensors on it and `get` returns tensors on it.
+        device: the consuming device ('cpu', 'cuda[:i]' or 'mps'); `put` takes tensors on it, `get` returns them.
         host: the host application's services (pinning, streams, free memory, temp dir).
         expected_bytes: the size of the whole cache as put (exact dtype), for the plan: the expected layer
             count is `expected_bytes` over the first layer's size; default 60 layers. Layers beyond the
@@ -111,6 +127,9 @@ class KVStore:
         self._kept: Dict[Hashable, LayerLayout] = {}
         self._order = LayerOrder()
         self._current: Optional[_Slot] = None
+        self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
+        self._owner: Optional[threading.Thread] = None
+        self._owner_lock, self._busy = threading.Lock(), threading.RLock()
         self.closed = False
         self.depth = 0
         self._stats = StoreStats()
@@ -133,7 +152,7 @@ class KVStore:
         self._allocator = HostAllocator(asynchronous and self.device.type == "cuda", budget,
                                         self._host.pin, self._host.unpin)
         self._pageable = HostAllocator(False, 0)
-        self._streams = Streams(self.device, asynchronous, self._host.stream)
+        self._streams = open_streams(self.device, asynchronous, self._host.stream)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
         self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
@@ -178,9 +197,14 @@ class KVStore:
 
         Idempotent; runs the same on normal completion, interruption and exceptions.
         """
+        with self._busy:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self._served = None
         try:
             for slot in self._slots:
                 slot.pending.cancel()
@@ -203,6 +227,7 @@ class KVStore:
 
     # -- put / get -------------------------------------------------------------------------------------------
     @_engine_mode
+    @_one_consumer
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
@@ -232,21 +257,24 @@ class KVStore:
             self._stats.count_transfer(kept.data_bytes)
 
     @_engine_mode
+    @_one_consumer
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, in the dtype put (bit-identical for `storage="exact"`).
 
-        Valid until the next `get` on this store or `close()`; the next layers are prefetched meanwhile.
+        Valid until the next `get` on this store or `close()`, and read-only: they are the store's own buffers
+        (a write into them is detected at the next `get`, which raises). The next layers are prefetched meanwhile.
         """
         self._check_open("get")
         layout = self._layouts.get(key)
         if layout is None:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
+        self._check_served()
         self._stats.gets += 1
         direct = key in self._resident and self._codec is None
         if direct and len(self._resident) == len(self._layouts):
-            return self._tiers[DEVICE].view(key)  # everything resident as put: nothing to schedule
+            return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         if self._current is not None and self._current.key == key:
-            return views(self._current.buffer, layout)  # the same layer again: not a new pass, nothing moves
+            return self._serve(key, *views(self._current.buffer, layout))  # the same layer again: nothing moves
         self._order.observe(key)
         self._release_current()
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
@@ -254,7 +282,7 @@ class KVStore:
         with self._streams.timed("wait"):
             if direct:
                 self._prefetch_after(key)  # the next streamed layers' copies hide behind this layer's compute
-                return self._tiers[DEVICE].view(key)
+                return self._serve(key, *self._tiers[DEVICE].view(key))
             slot = self._slot_of(key)
             if slot is None:  # not prefetched: the consumer waits for the whole load
                 if key not in self._resident:
@@ -269,7 +297,19 @@ class KVStore:
         if self._codec is not None:
             self._decode(key, slot)
         self._current = slot
-        return views(slot.buffer, layout)
+        return self._serve(key, *views(slot.buffer, layout))
+
+    def _serve(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self._served = (key, k, v, k._version + v._version)
+        return k, v
+
+    def _check_served(self) -> None:
+        # Views of one slot share its version counter, and every tier's get hands out tensors with one, so an
+        # in-place write by the consumer is seen here the same way on every tier.
+        served, self._served = self._served, None
+        if served is not None and served[1]._version + served[2]._version != served[3]:
+            self._release_current()  # an offloaded tier reloads the layer clean next time
+            check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
     def _decode(self, key: Hashable, slot: _Slot) -> None:
         # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
@@ -340,10 +380,10 @@ class KVStore:
         grown = 0
         if small:
             grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
-            slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            slot.buffer = self._streams.empty(nbytes)
         if small_coded:
             grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
-            slot.coded = torch.empty(coded, dtype=torch.uint8, device=self.device)
+            slot.coded = self._streams.empty(coded)
         # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
         # a copy on the side stream must not start before they have run.
         slot.release = self._streams.record()
@@ -353,11 +393,22 @@ class KVStore:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
 
+    def _check_consumer(self, what: str) -> None:
+        me = threading.current_thread()
+        with self._owner_lock:
+            if self._owner is None:
+                self._owner = me
+        if self._owner is not me:
+            raise RuntimeError(
+                f"KVStore.{what}: store {self.name!r} serves one consumer, thread {self._owner.name!r} (the first "
+                f"to put or get); called from thread {me.name!r}. A get's tensors are only valid until the next "
+                "get, so two threads would read each other's layers. Create one store per consumer thread.")
+
     # -- reporting -------------------------------------------------------------------------------------------
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place (what `stats()["plan"]` reports)."""
         out = dict.fromkeys(PLACES, 0)
-        for place in self._where.values():
+        for place in list(self._where.values()):  # a copy: stats() may run on another thread during puts
             out[place] += 1
         return out
 
@@ -365,7 +416,7 @@ class KVStore:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
         tier_bytes: Dict[str, int] = {}
         info: Dict[str, object] = {}
-        for tier in self._tiers.values():
+        for tier in list(self._tiers.values()):
             if not self.closed:
                 for place, n in tier.nbytes().items():
                     tier_bytes[place] = tier_bytes.get(place, 0) + n
@@ -383,9 +434,7 @@ def _close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
     # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
     # before any tier frees or deletes anything.
     try:
-        streams.synchronize()
-        if streams.asynchronous:
-            torch.cuda.current_stream(streams.device).synchronize()
+        streams.drain()
     finally:
         errors = []
         for tier in list(tiers.values()):  # every tier is closed, whichever fails
@@ -403,6 +452,9 @@ def _check_device(device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"KVStore: `device` {device!r} is not a torch device ({exc}). Pass e.g. 'cuda:0'.") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"KVStore: `device` must be a cpu, cuda or mps device; got {str(device)!r}, which holds no "
+                         "data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"KVStore: `device` is {device}, but CUDA is not available here. Pass device='cpu'.")

@@ -79,17 +79,20 @@ class OffloadSession:
         if not stores:
             return
         stats, errors = [], []
-        for store in stores:  # every store gets closed, whatever fails on the way
+        for store in stores:  # every store gets closed, whatever fails on the way (a Ctrl-C included)
             try:
                 stats.append(store.stats())
-            except Exception as exc:
+            except BaseException as exc:
                 errors.append(exc)
             try:
                 store.close()
-            except Exception as exc:
+            except BaseException as exc:
                 errors.append(exc)
         self.last_stats = stats
         _log_summary(stats)
+        interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
+        if interrupt is not None:
+            raise interrupt  # only once every store is closed
         if errors and raise_errors:
             raise errors[0]
         for error in errors:

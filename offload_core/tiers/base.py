@@ -50,14 +50,34 @@ class Pending:
         self.settle()
 
     def settle(self) -> None:
-        """Waits for the load to finish completely, swallowing its error (used when cancelling)."""
+        """Waits for the load to finish completely, swallowing its error (used when cancelling).
+
+        Whatever the background job raised is dropped, a `KeyboardInterrupt` or `SystemExit` that reached the
+        I/O thread included: it belonged to that job, not to the caller closing the store. An interrupt of the
+        calling thread while it waits here still propagates.
+        """
+        future = self._future
         try:
-            if self._future is not None:
-                self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+            if future is not None:
+                self._fence = future.result(timeout=TRANSFER_TIMEOUT_S)
                 self._future = None
             self._fence.synchronize()
-        except Exception:
-            pass
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not _raised_by(future, exc):
+                raise
+
+
+def _raised_by(future: Optional[Future], exc: BaseException) -> bool:
+    return future is not None and future.done() and not future.cancelled() and future.exception(0) is exc
+
+
+def check_unmodified(key: Hashable, version: int, served: int) -> None:
+    """Refuses to serve a layer whose tensors were written in place since the store handed them out."""
+    if version != served:
+        raise RuntimeError(
+            f"KVStore.get: the K/V of layer {key!r} returned by an earlier get were modified in place; the store "
+            "serves its own buffers, which consumers must only read. Copy them first (e.g. torch.cat, .clone()) "
+            "before changing them. This layer is not served again as it is; recompute the prefix.")
 
 
 class Tier:

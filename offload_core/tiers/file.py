@@ -147,7 +147,7 @@ class FileTier(Tier):
                     release.make_wait(side)
                     with streams.timed("transfer", side):
                         data = item[0].tensor[len(entry.header):entry.total]
-                        slot[:entry.layout.data_bytes].copy_(data, non_blocking=item[0].pinned and side is not None)
+                        streams.copy(slot[:entry.layout.data_bytes], data, non_blocking=item[0].pinned and side is not None)
                     fence = streams.record(side)
             finally:
                 self._pool.release(item, fence)
@@ -159,7 +159,7 @@ class FileTier(Tier):
     def nbytes(self) -> Dict[str, int]:
         staging = self._pool.buffers()
         return {
-            "file": sum(e.total for e in self._files.values()),
+            "file": sum(e.total for e in list(self._files.values())),  # a snapshot: stats() runs on any thread
             "host_pinned": sum(b.nbytes for b in staging if b.pinned),
             "host_pageable": sum(b.nbytes for b in staging if not b.pinned),
         }

@@ -12,9 +12,9 @@ from typing import Deque, Dict, Hashable, Tuple
 
 import torch
 
-from ..devices import Fence
+from ..devices import Fence, Streams
 from ..hostmem import HostBuffer
-from ..layout import LayerLayout, copy_in
+from ..layout import LayerLayout, views
 from .base import Pending, Tier, TierContext
 
 
@@ -28,25 +28,26 @@ class RamTier(Tier):
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         ctx = self._ctx
+        streams = ctx.streams
         buf = ctx.allocator.alloc(layout.data_bytes)
-        side = ctx.streams.side
-        if side is None or k.device.type != "cuda":
-            with ctx.streams.timed("transfer"):
-                copy_in(buf.tensor, layout, k, v)  # blocking: the private copy exists when this returns
+        side = streams.side
+        if side is None:
+            with streams.timed("transfer"):
+                _copy_layer(streams, buf.tensor, layout, k, v)  # blocking: the private copy exists on return
             self._layers[key] = (buf, layout)
             return
         # Snapshot on the producer's stream first (a device-to-device copy, ~100x faster than the link): later
         # kernels on that stream may overwrite `k`/`v`, and they are not ordered after our side stream.
-        snap = torch.empty(layout.data_bytes, dtype=torch.uint8, device=k.device)
-        copy_in(snap, layout, k, v)
+        snap = streams.empty(layout.data_bytes)
+        _copy_layer(streams, snap, layout, k, v)
         self._bound_offloads(ctx.depth + 1)
-        ctx.streams.record().make_wait(side)  # the side stream must not read `snap` before it is written
-        with ctx.streams.on_side(), ctx.streams.timed("transfer", side):
-            buf.tensor.copy_(snap, non_blocking=buf.pinned)
+        streams.record().make_wait(side)  # the side stream must not read `snap` before it is written
+        with streams.on_side(), streams.timed("transfer", side):
+            streams.copy(buf.tensor, snap, non_blocking=buf.pinned)
         # `snap` is freed by Python below while the copy may still run: record_stream on the stream that reads
         # it keeps the caching allocator from handing its memory out before that copy has finished.
-        snap.record_stream(side)
-        self._offloads.append(ctx.streams.record(side))
+        streams.record_stream(snap, side)
+        self._offloads.append(streams.record(side))
         self._layers[key] = (buf, layout)
 
     def _bound_offloads(self, limit: int) -> None:
@@ -61,12 +62,13 @@ class RamTier(Tier):
         with ctx.streams.on_side():
             release.make_wait(side)  # no-op without a side stream: the current stream is already in order
             with ctx.streams.timed("transfer", side):
-                slot[:layout.data_bytes].copy_(buf.tensor, non_blocking=buf.pinned and side is not None)
+                ctx.streams.copy(slot[:layout.data_bytes], buf.tensor, non_blocking=buf.pinned and side is not None)
             return Pending(ctx.streams.record(side))
 
     def nbytes(self) -> Dict[str, int]:
-        pinned = sum(b.nbytes for b, _ in self._layers.values() if b.pinned)
-        pageable = sum(b.nbytes for b, _ in self._layers.values() if not b.pinned)
+        buffers = [b for b, _ in list(self._layers.values())]  # one atomic snapshot: stats() may run on any thread
+        pinned = sum(b.nbytes for b in buffers if b.pinned)
+        pageable = sum(b.nbytes for b in buffers if not b.pinned)
         return {"host_pinned": pinned, "host_pageable": pageable}
 
     def close(self) -> None:
@@ -75,3 +77,10 @@ class RamTier(Tier):
         for buf, _ in self._layers.values():
             self._ctx.allocator.free(buf)
         self._layers.clear()
+
+
+def _copy_layer(streams: Streams, flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`k` and `v` into their places in `flat`, queued on the current stream."""
+    dst_k, dst_v = views(flat, layout)
+    streams.copy(dst_k, k)
+    streams.copy(dst_v, v)
