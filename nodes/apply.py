@@ -13,6 +13,7 @@ FluxKVCache interplay (no double caching):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from typing import Callable, Optional
@@ -28,15 +29,24 @@ log = logging.getLogger(__name__)
 WRAPPER_KEY = "kv_offload"
 OUTER_SAMPLE, DIFFUSION_MODEL = "outer_sample", "diffusion_model"  # comfy.patcher_extension.WrappersMP
 MODES = [m.value for m in Mode]
+STORAGES = ["exact", "fp8", "int8"]
 MIB = 1 << 20
 
 
-def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_budget_mb=None) -> OffloadConfig:
+def _mib(name: str, value, zero: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be a whole number of MiB >= 0; got {value!r}. Use 0 to {zero}.")
+    return value * MIB
+
+
+def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_budget_mb=None,
+                       vram_budget_mb=None, storage=None) -> OffloadConfig:
     """The node's widgets -> a validated `OffloadConfig` (raises the engine's `ValueError`).
 
     A widget always holds a value, so options that do not apply to the picked mode are left out rather
     than rejected: prefetch depth and pin budget reach only the async tiers and `auto`, the page-cache
-    switch only the file tiers and `auto`. A pin budget of 0 leaves the budget to ComfyUI.
+    switch only the file tiers and `auto`, the VRAM budget only the streaming modes and `auto`, the storage
+    every mode but `off`. A pin budget or VRAM budget of 0 leaves it to ComfyUI / the mode.
     """
     m = Mode.parse(mode)
     fields = {"mode": m}
@@ -44,12 +54,41 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
         fields["prefetch_depth"] = prefetch_depth
     if m.takes_file_options and bypass_page_cache is not None:
         fields["bypass_page_cache"] = bypass_page_cache
-    if m.takes_async_options and pin_budget_mb:
-        if isinstance(pin_budget_mb, bool) or not isinstance(pin_budget_mb, int) or pin_budget_mb < 0:
-            raise ValueError(f"`pin_budget_mb` must be a whole number of MiB >= 0; got {pin_budget_mb!r}. "
-                             "Use 0 to leave the budget to ComfyUI.")
-        fields["pin_budget"] = pin_budget_mb * MIB
+    if m.takes_async_options and pin_budget_mb is not None:
+        if _mib("pin_budget_mb", pin_budget_mb, "leave the budget to ComfyUI"):
+            fields["pin_budget"] = pin_budget_mb * MIB
+    if vram_budget_mb is not None:
+        budget = _mib("vram_budget_mb", vram_budget_mb, "let the mode decide")
+        if budget and m.takes_device_budget:
+            fields["device_budget"] = budget
+    if storage is not None and m.takes_storage:
+        fields["storage"] = storage
     return OffloadConfig(**fields)
+
+
+# ComfyUI's own Qwen-Image 2.1 cache options: dtype -> the nearest storage of ours.
+QWEN21_DTYPES = {"default": None, "int8": "int8", "int4": "int8"}
+
+
+def storage_for_qwen21(config: OffloadConfig, options: Optional[dict]) -> "tuple[OffloadConfig, Optional[str]]":
+    """Honour `options["dtype"]` of ComfyUI's Qwen-Image 2.1 cache: the config to use, and what to tell the user.
+
+    Our node's own `storage` (anything but exact) wins over it, said so; `int8` is ours; `int4` has no
+    equivalent and maps to `int8` (twice int4's bytes, half of exact). An unknown value keeps exact, said so.
+    """
+    dtype = (options or {}).get("dtype")
+    if dtype in (None, "default") or config.mode is Mode.OFF:
+        return config, None
+    if config.storage != "exact":
+        return config, (f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} is overridden by this node's storage "
+                        f"{config.storage!r}.")
+    mapped = QWEN21_DTYPES.get(dtype)
+    if mapped is None:
+        return config, (f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} is not one KV Offload knows "
+                        "(default, int8, int4); the cache stays exact. Set `storage` on the node instead.")
+    note = "" if mapped == dtype else f" (the nearest KV Offload has: {dtype} is not available, int8 keeps twice its bytes)"
+    return dataclasses.replace(config, storage=mapped), (
+        f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} -> storage {mapped!r}{note}.")
 
 
 def validation_message(**inputs) -> "bool | str":
@@ -127,8 +166,13 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
     if any(is_flux_kv_cache_patch(p) for p in removed):
         log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
     to = m.model_options.setdefault("transformer_options", {})
+    notes = []
     if family == "qwen_image21":
         opts = dict(to.get(OPTIONS_KEY) or {})
+        config, note = storage_for_qwen21(config, opts)  # ComfyUI's own cache node upstream of ours
+        if note:
+            log.warning(note)
+            notes.append(note)
         if config.mode is Mode.OFF:
             opts["device"] = "off"
         else:
@@ -154,7 +198,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
     to[SPEC_KEY] = RunSpec(config=config, host=host, n_layers=count_layers(dm, family), family=family)
     m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _outer_wrapper(store_factory, telemetry))
     m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, diffusion_model_wrapper)
-    msg = f"KV Offload: mode {config.mode.value} on {family}."
+    msg = " ".join([f"KV Offload: mode {config.mode.value} on {family}.", *notes])
     log.info(msg)
     return m, msg
 
@@ -177,7 +221,12 @@ def _outer_wrapper(store_factory: Callable, telemetry):
             log.warning("KV Offload: FluxKVCache is applied after KV Offload Settings; it caches on the GPU and "
                         "KV Offload stands down for this run. Put FluxKVCache before the node, or remove it.")
             return None
-        return RunState(spec.config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
+        config = spec.config
+        if spec.family == "qwen_image21":  # options set after our node (ComfyUI's cache node downstream)
+            config, note = storage_for_qwen21(config, model_options.get("transformer_options", {}).get(OPTIONS_KEY))
+            if note and config is not spec.config:
+                log.warning(note)
+        return RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
 
     def attach(run: RunState, spec: RunSpec, to: dict) -> None:
         to[RUN_KEY] = run

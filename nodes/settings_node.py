@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from ..offload_core import KVStore
 from ..offload_core.config import MAX_PREFETCH_DEPTH
-from .apply import MODES, apply_offload, config_from_inputs, validation_message
+from .apply import MODES, STORAGES, apply_offload, config_from_inputs, validation_message
 from .host import comfy_host_services
 from .qwen21 import qwen21_support
 
@@ -23,7 +23,7 @@ MODE_TOOLTIP = (
     "ram_sync / ram_async: host RAM, copied back layer by layer (async: pinned, prefetched behind compute). "
     "file_sync / file_async: files in a private folder beside ComfyUI's temp folder, deleted after the run "
     "(async: read ahead of compute). "
-    "Every mode except off gives the same latents as gpu."
+    "Every mode except off gives the same latents as gpu (with storage exact)."
 )
 
 
@@ -52,18 +52,28 @@ class KVOffloadSettings(io.ComfyNode):
                              tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
                                      "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
                                      "Beyond it the cache uses pageable memory (slower, never fails)."),
+                io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24,
+                             tooltip="The dial between speed and VRAM: up to this many MiB of each cache (cond "
+                                     "and uncond each) stay in VRAM, the rest streams from the mode's place; 0 "
+                                     "lets the mode decide. Streaming modes and auto; ignored by gpu and off."),
+                io.Combo.Input("storage", options=STORAGES, default="exact",
+                               tooltip="How the cache is kept: exact (lossless, the default) or fp8 / int8, "
+                                       "about half the VRAM, RAM, disk and copy time, with a small measured "
+                                       "error in the image. Every mode but off."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
         )
 
     @classmethod
-    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> bool | str:
-        return validation_message(mode=mode, prefetch_depth=prefetch_depth,
-                                  bypass_page_cache=bypass_page_cache, pin_budget_mb=pin_budget_mb)
+    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
+                        storage="exact") -> bool | str:
+        return validation_message(mode=mode, prefetch_depth=prefetch_depth, bypass_page_cache=bypass_page_cache,
+                                  pin_budget_mb=pin_budget_mb, vram_budget_mb=vram_budget_mb, storage=storage)
 
     @classmethod
-    def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> io.NodeOutput:
-        config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb)
+    def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
+                storage="exact") -> io.NodeOutput:
+        config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage)
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
                                    telemetry=TELEMETRY)
         return io.NodeOutput(patched)
