@@ -77,6 +77,25 @@ class Codec:
             dst[start:start + step].copy_(part)
 
 
+    def error(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+        """[max |x - x'|, sum (x - x')^2, sum x^2] of `x` against its encoding, as a float32 tensor on x's device.
+
+        Kept on the device (no host sync at `put`); the store adds them up and `stats()` reads them.
+        """
+        rows, width = self._rows(tuple(x.shape))
+        q, scales = _views(encoded, rows, width, self.qdtype)
+        src = x.reshape(rows, width)
+        out = torch.zeros(3, dtype=torch.float32, device=x.device)
+        step = max(1, CHUNK_ELEMENTS // max(width, 1))
+        for start in range(0, rows, step):
+            ref = src[start:start + step].float()
+            diff = q[start:start + step].float().mul_(scales[start:start + step]).to(x.dtype).float().sub_(ref)
+            out[0] = torch.maximum(out[0], diff.abs().max())
+            out[1] += diff.square().sum()
+            out[2] += ref.square().sum()
+        return out
+
+
 def _scale_offset(values: int) -> int:
     return (values + SCALE_BYTES - 1) // SCALE_BYTES * SCALE_BYTES  # float32 scales start 4-byte aligned
 

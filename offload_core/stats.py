@@ -102,4 +102,5 @@ class StoreStats:
             "closed": store.closed,
             "plan": store.placement(),
             "storage": store.config.storage,
+            "kv_error": store.kv_error(),
         }

@@ -113,6 +113,7 @@ class KVStore:
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
         self._codec = codec_for(config.storage)
+        self._codec_error: Optional[torch.Tensor] = None  # [max abs, sum sq err, sum sq] over every put
         self.requested = config.mode
         self.mode: Optional[Mode] = None
         self.reason = "auto: decided at the first put"
@@ -236,8 +237,11 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         layout = layout_for(k, v)
-        if self._codec is not None:  # quantised on the device, before any byte moves
-            k, v = self._codec.encode(k), self._codec.encode(v)
+        if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
+            ek, ev = self._codec.encode(k), self._codec.encode(v)
+            for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
+                self._codec_error = err if self._codec_error is None else _add_error(self._codec_error, err)
+            k, v = ek, ev
             kept = layout_for(k, v)
         else:
             kept = layout
@@ -412,6 +416,14 @@ class KVStore:
             out[place] += 1
         return out
 
+    def kv_error(self) -> Optional[Dict[str, float]]:
+        """The codec's error over every layer put: max absolute and relative (‖x − x̂‖ / ‖x‖); None if exact."""
+        err = self._codec_error
+        if err is None:
+            return None
+        top, sq, ref = err.tolist()  # one host sync, only for lossy storage
+        return {"max_abs": top, "relative": (sq / ref) ** 0.5 if ref > 0 else 0.0}
+
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
         tier_bytes: Dict[str, int] = {}
@@ -428,6 +440,10 @@ class KVStore:
             self, len(self._layouts), tier_bytes, info, self._streams if opened else None,
             self._allocator.fallback_reason if opened else None,
         )
+
+
+def _add_error(total: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.maximum(total[:1], err[:1]), total[1:] + err[1:]])
 
 
 def _close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import math
 import re
 import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import psutil
 import torch
 
@@ -106,16 +108,19 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
     _sync(device)
     start = time.perf_counter()
     try:
-        call()
+        output = call()
         _sync(device)
         latency = time.perf_counter() - start
     finally:
         if probe is not None:
             probe.close()
-    sample = {"latency_s": latency, "peak_rss": rss.read(),
+    sample = {"latency_s": latency, "peak_rss": rss.read(), "image": _image(output),
               "peak_device_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if session is not None:
         stats = session.last_stats
+        sample["plan"] = {t: sum(s.get("plan", {}).get(t, 0) for s in stats) for t in _TIERS}
+        sample["kv_error"] = _kv_error(stats)
+        sample["cache_bytes"] = max((_aligned_cache_bytes(s) for s in stats), default=0)
         sample["kv_bytes"] = {t: sum(s["bytes"][t] for s in stats) for t in _TIERS}
         sample["peak_kv_device"] = sum(s["peak_device_bytes"] for s in stats)
         sample["exposed_wait_s"] = sum(s["exposed_wait_s"] for s in stats)
@@ -130,6 +135,44 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["exposed_wait_s"] = 0.0
         sample["tiers"] = ["gpu"] if kv else []
     return sample
+
+
+def _image(output):
+    images = getattr(output, "images", output)
+    return np.asarray(images, dtype=np.float64) if isinstance(images, np.ndarray) else None
+
+
+def _kv_error(stats: list) -> dict | None:
+    errors = [s["kv_error"] for s in stats if s.get("kv_error")]
+    if not errors:
+        return None
+    return {"max_abs": max(e["max_abs"] for e in errors), "relative": max(e["relative"] for e in errors)}
+
+
+def _aligned_cache_bytes(stats: dict) -> int:
+    """One store's cache as its places keep it: K and V of each layer each padded to a 4 KiB boundary."""
+    layers = stats["layers"] or 1
+    per_tensor = stats["stored_bytes"].get("device", 0) // (2 * layers)
+    return layers * 2 * (-(-per_tensor // 4096) * 4096)
+
+
+def psnr(image, reference) -> float | None:
+    """Peak signal-to-noise ratio (dB) of an image in [0, 1] against the exact one; inf when identical."""
+    if image is None or reference is None or image.shape != reference.shape:
+        return None
+    mse = float(np.mean((image - reference) ** 2))
+    return math.inf if mse == 0 else 10 * math.log10(1.0 / mse)
+
+
+def prepare_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], device: torch.device) -> tuple[list[Row], object]:
+    """Rows with budgets in bytes, and the exact image lossy rows are compared with.
+
+    One `gpu` request measures the cache (per store) and gives that image; only run when a row needs either.
+    """
+    if not any(row.fractions or row.lossy for row in rows):
+        return rows, None
+    reference = request_for_row(pipe, Row("reference", "reference", "gpu"), call_kwargs, device, RssPeak())
+    return [row.with_budgets(reference["cache_bytes"]) for row in rows], reference["image"]
 
 
 def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: torch.device, rss: RssPeak) -> dict:
@@ -151,6 +194,7 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
     thermal limit) then slows every row alike instead of whichever rows happened to run during it.
     """
     rss = RssPeak()
+    rows, reference = prepare_rows(pipe, rows, call_kwargs, device)
     samples: dict[str, list[dict]] = {row.key: [] for row in rows}
     # The model's own objects never become garbage: park them outside the collector so the per-request
     # gc.collect() only walks what the requests allocate (a full walk costs ~0.3 s per request here).
@@ -162,14 +206,16 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
                 on_start(row)
                 sample = request_for_row(pipe, row, call_kwargs, device, rss)
                 if round_index > 0:  # round 0 is the warm-up
+                    if samples[row.key]:
+                        samples[row.key][-1].pop("image", None)  # only the last request's image is compared
                     samples[row.key].append(sample)
                 on_done(row)
     finally:
         gc.unfreeze()
-    return [summarize(row, samples[row.key], rss_exact=rss.exact) for row in rows]
+    return [summarize(row, samples[row.key], rss_exact=rss.exact, reference=reference) for row in rows]
 
 
-def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
+def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None) -> dict:
     """One table row: medians of latency and exposed wait, maxima of the memory peaks, the last request's bytes."""
     last = samples[-1]
     device_peaks = [s["peak_device_allocated"] for s in samples if s["peak_device_allocated"] is not None]
@@ -185,4 +231,6 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
         "exposed_wait_s": statistics.median(s["exposed_wait_s"] for s in samples),
         "tiers": last["tiers"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
         "pinned_fallback": last.get("pinned_fallback", False),
+        "plan": last.get("plan"), "kv_error": last.get("kv_error"),
+        "psnr_db": psnr(last["image"], reference) if row.lossy else None,
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,9 @@ class Row:
     label: what the table prints.
     mode: the `enable_kv_offload` mode, or None for the unpatched pipeline.
     call_kwargs: extra pipeline call arguments (`use_kv_cache=False` for the no-cache row).
-    config: extra `OffloadConfig` fields (page-cache bypass for the cold file rows).
+    config: extra `OffloadConfig` fields (page-cache bypass for the cold file rows, storage).
+    fractions: `OffloadConfig` byte fields given as a fraction of one store's cache (`device_budget`,
+        `host_budget`), turned into bytes once the cache has been measured (`with_budgets`).
     """
 
     key: str
@@ -21,6 +23,18 @@ class Row:
     mode: str | None
     call_kwargs: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    fractions: dict = field(default_factory=dict)
+
+    @property
+    def lossy(self) -> bool:
+        return self.config.get("storage", "exact") != "exact"
+
+    def with_budgets(self, cache_bytes: int) -> "Row":
+        """This row with its fractions as bytes of a cache of `cache_bytes` per store."""
+        if not self.fractions:
+            return self
+        budgets = {name: int(share * cache_bytes) for name, share in self.fractions.items()}
+        return replace(self, config={**self.config, **budgets})
 
 
 ALL_ROWS = (
@@ -33,6 +47,14 @@ ALL_ROWS = (
     Row("file_async_warm", "file_async, warm", "file_async", config={"bypass_page_cache": False}),
     Row("file_sync_cold", "file_sync, cold", "file_sync", config={"bypass_page_cache": True}),
     Row("file_async_cold", "file_async, cold", "file_async", config={"bypass_page_cache": True}),
+    # The dial: part of the cache resident on the device, the rest streamed from RAM; RAM capped, the rest in files.
+    Row("device_25", "ram_async, 25% resident", "ram_async", fractions={"device_budget": 0.25}),
+    Row("device_50", "ram_async, 50% resident", "ram_async", fractions={"device_budget": 0.50}),
+    Row("device_75", "ram_async, 75% resident", "ram_async", fractions={"device_budget": 0.75}),
+    Row("host_50", "ram_async, 50% in RAM, rest in files", "ram_async", fractions={"host_budget": 0.50}),
+    # Compact storage: half the bytes, a measured error.
+    Row("gpu_fp8", "gpu, fp8", "gpu", config={"storage": "fp8"}),
+    Row("gpu_int8", "gpu, int8", "gpu", config={"storage": "int8"}),
 )
 AUTO_ROW = Row("auto", "auto", "auto")
 BASELINE_KEY = "gpu_upstream"
@@ -45,6 +67,8 @@ _ALIASES = {
     "file_async": ("file_async_warm", "file_async_cold"),
     "warm": ("file_sync_warm", "file_async_warm"),
     "cold": ("file_sync_cold", "file_async_cold"),
+    "dial": ("device_25", "device_50", "device_75", "host_50"),
+    "lossy": ("gpu_fp8", "gpu_int8"),
 }
 
 

@@ -49,7 +49,7 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
             `"off"` recomputes the prefix every step (Qwen-Image 2.1 only).
         host: optional host services (pin budget, side stream, free-memory queries, temp dir).
         **config_fields: the other `OffloadConfig` fields (`prefetch_depth`, `file_dir`, `bypass_page_cache`,
-            `pin_budget`), validated before the pipeline is touched.
+            `pin_budget`, `device_budget`, `host_budget`, `storage`), validated before the pipeline is touched.
 
     Returns:
         The session; `session.last_stats` holds each store's `stats()` of the last finished call.

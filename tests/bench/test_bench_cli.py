@@ -16,10 +16,11 @@ COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device
            "exposed_wait_s", "tiers", "label", "key"}
 
 
-def test_default_rows_are_the_nine_of_the_table():
+def test_default_rows_are_the_fifteen_of_the_table():
     assert [r.key for r in select_rows(None)] == [
         "none", "gpu_upstream", "gpu", "ram_sync", "ram_async",
-        "file_sync_warm", "file_async_warm", "file_sync_cold", "file_async_cold"]
+        "file_sync_warm", "file_async_warm", "file_sync_cold", "file_async_cold",
+        "device_25", "device_50", "device_75", "host_50", "gpu_fp8", "gpu_int8"]
     assert select_rows("all") == list(ALL_ROWS)
 
 
@@ -119,3 +120,22 @@ def test_model_folder_must_be_a_supported_pipeline(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
     with pytest.raises(ValueError, match="holds a StableDiffusionPipeline"):
         main(["--model", str(tmp_path), "--runs", "1"])
+
+
+def test_dial_and_lossy_rows_measure_budgets_error_and_psnr(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    assert main(["--runs", "1", "--steps", "2", "--resolution", "64", "--modes", "gpu,dial,lossy",
+                 "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    assert "K/V error, image vs exact" in printed and "PSNR" in printed
+    rows = {r["key"]: r for r in json.loads(out_json.read_text())["rows"]}
+    layers = 6  # the built-in model; budgets are whole layers of one store's cache
+    assert [rows[k]["plan"]["device"] for k in ("device_25", "device_50", "device_75")] == [1, 3, 4]
+    # Resident layers plus the depth + 1 = 2 slots: 3, 5 and (4 + 2 =) all 6 layers of this small model.
+    assert rows["device_25"]["peak_kv_device"] < rows["device_50"]["peak_kv_device"] \
+        < rows["device_75"]["peak_kv_device"] <= rows["gpu"]["peak_kv_device"]
+    assert rows["host_50"]["plan"]["file"] == layers - 3 and rows["host_50"]["kv_bytes"]["file"] > 0
+    for key, bound in (("gpu_fp8", 0.04), ("gpu_int8", 0.015)):
+        assert 0 < rows[key]["kv_error"]["relative"] <= bound and rows[key]["psnr_db"] > 20
+        assert rows[key]["kv_bytes"]["device"] < 0.6 * rows["gpu"]["kv_bytes"]["device"]
+    assert rows["gpu"]["kv_error"] is None and rows["gpu"]["psnr_db"] is None

@@ -150,6 +150,11 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
         assert k.dtype == k0.dtype and k.shape == k0.shape
         assert ((k.float() - k0.float()).norm() / k0.float().norm()) <= bound
         assert ((v.float() - v0.float()).norm() / v0.float().norm()) <= bound
+    error = gpu_stats["kv_error"]  # measured at put, over every layer's K and V
+    assert 0 < error["relative"] <= bound and 0 < error["max_abs"] < 1
+    worst = max((k.float() - k0.float()).abs().max().item() for (k, _), (k0, _) in zip(gpu_served[-1], layers))
+    assert worst <= error["max_abs"]
+    assert results["ram"][1]["kv_error"] == pytest.approx(error)
     for name, (served, _) in results.items():
         for out in served:  # the codec is deterministic: every place serves the same decoded values
             for (k, v), (gk, gv) in zip(out, gpu_served[-1]):
