@@ -75,8 +75,9 @@ def resident_indices(layers: int, resident: int) -> List[int]:
     (resident ones need no copy), so a streamed layer's copy starts when the previous streamed layer is
     consumed and hides behind every resident layer in between: spreading the resident layers evenly gives the
     worst-hidden copy the most compute to hide behind. The first layer of a pass is the one whose copy has
-    the least time (it cannot be prefetched before the first cached pass), so it is resident first.
-    Measured in the benchmark notes: spread < first block < last block in exposed wait.
+    the least time (it cannot be prefetched before the first cached pass), so it is always resident.
+    `scripts/resident_choice.py` measures it: spread layers expose a fraction of the wait of a first or a
+    last block of the same size.
     """
     resident = max(0, min(resident, layers))
     return sorted({i * layers // resident for i in range(resident)}) if resident else []
