@@ -52,11 +52,12 @@ class KVOffloadSettings(io.ComfyNode):
                              tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
                                      "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
                                      "Beyond it the cache uses pageable memory (slower, never fails)."),
-                io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24,
+                # Optional: prompts and workflows saved before these inputs existed still validate.
+                io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
                              tooltip="The dial between speed and VRAM: up to this many MiB of each cache (cond "
                                      "and uncond each) stay in VRAM, the rest streams from the mode's place; 0 "
                                      "lets the mode decide. Streaming modes and auto; ignored by gpu and off."),
-                io.Combo.Input("storage", options=STORAGES, default="exact",
+                io.Combo.Input("storage", options=STORAGES, default="exact", optional=True,
                                tooltip="How the cache is kept: exact (lossless, the default) or fp8 / int8, "
                                        "about half the VRAM, RAM, disk and copy time, with a small measured "
                                        "error in the image. Every mode but off."),

@@ -162,8 +162,8 @@ def make_plan(mode: Mode, f: Figures) -> Plan:
         pinned_cap = f.pin_budget if mode.is_async and f.pinnable else 0
     places, parts = _fill(f, resident, host_cap, pinned_cap, file_only=mode.is_file)
     stream = FILE if mode.is_file else (PINNED if mode.is_async and f.pinnable else PAGEABLE)
-    budgets = f.device_budget is not None or (host_cap is not None)
-    why = f"{mode.value}: " + _sentence(parts, f) if budgets else "requested"
+    mixed = len(set(places)) > 1 or f.device_budget is not None or host_cap is not None
+    why = f"{mode.value}: " + _sentence(parts, f) if mixed else "requested"
     return Plan(places, mode, why, device_cap=device_cap, host_cap=host_cap, stream=stream)
 
 
@@ -242,7 +242,9 @@ def _pin_why(f: Figures) -> str:
 
 
 def _host_why(f: Figures) -> str:
-    return f"host_budget {_gib(f.host_budget)}" if f.host_budget is not None else f"free RAM {_gib(f.free_host)}"
+    if f.host_budget is not None:
+        return f"host_budget {_gib(f.host_budget)}"
+    return f"free RAM {_gib(f.free_host)}" if f.free_host is not None else "beyond the pin budget"
 
 
 def _file_why(f: Figures, host_cap: Optional[int], file_only: bool) -> str:

@@ -108,6 +108,9 @@ class KVStore:
                                            or expected_bytes < 0):
             raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
         self.device = _check_device(device)
+        if config.storage == "fp8" and self.device.type == "mps":
+            raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "
+                             "got storage='fp8' on an mps device. Use storage='int8' there.")
         self.config, self.name = config, name
         self._host = host or HostServices()
         self._expected = expected_bytes

@@ -159,3 +159,8 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
         for out in served:  # the codec is deterministic: every place serves the same decoded values
             for (k, v), (gk, gv) in zip(out, gpu_served[-1]):
                 assert torch.equal(k, gk) and torch.equal(v, gv), name
+
+
+def test_fp8_on_mps_is_refused_before_anything_is_allocated():
+    with pytest.raises(ValueError, match="`storage` 'fp8' needs float8 kernels.*Use storage='int8'"):
+        KVStore(OffloadConfig(mode="gpu", storage="fp8"), "mps")

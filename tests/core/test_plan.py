@@ -89,3 +89,9 @@ def test_not_pinnable_plans_pageable_ram():
     (32, 0, []), (32, 1, [0]), (4, 2, [0, 2]), (5, 5, [0, 1, 2, 3, 4]), (3, 9, [0, 1, 2])])
 def test_resident_indices(layers, resident, expected):
     assert resident_indices(layers, resident) == expected
+
+
+def test_explicit_ram_async_beyond_the_pin_budget_says_so():
+    plan = make_plan(Mode.RAM_ASYNC, figures(pin_budget=10 * LAYER))
+    assert plan.counts()[PINNED] == 10 and plan.counts()[PAGEABLE] == 22
+    assert "10 in pinned RAM (pin budget 0.62 GiB), 22 in pageable RAM (beyond the pin budget)" in plan.reason
