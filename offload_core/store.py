@@ -116,10 +116,10 @@ class KVStore:
         if mode is not self.requested and self.requested is not Mode.AUTO:
             log.warning("KV offload%s: %s", f" [{self.name}]" if self.name else "", reason)
         depth = self.config.depth if mode.is_async else 0
-        cuda = self.device.type == "cuda"
         budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
-        allocator = HostAllocator(mode.is_async and cuda, budget, self._host.pin, self._host.unpin)
         self._streams = open_streams(self.device, mode.is_async, self._host.stream)
+        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA).
+        allocator = HostAllocator(self._streams.asynchronous, budget, self._host.pin, self._host.unpin)
         ctx = TierContext(self.device, self._streams, allocator, depth)
         self._allocator, self.depth = allocator, depth
         if mode is Mode.GPU:
