@@ -21,7 +21,8 @@ freed too early or an unbounded queue. Stores run on this model instead when a t
 - A copy between host and device with `non_blocking=False` blocks the host until it ran (torch syncs the stream);
   every other copy is asynchronous. Pinning always succeeds (the host allocator's pinning is replaced).
 - Operations on another stream that touch a device block freed (or handed out again) since they were queued,
-  or a host buffer released since, are recorded in `violations`, then run anyway, as the hardware would.
+  or a host buffer released since, are recorded in `violations`; the first then run anyway, as the hardware
+  would (so the test also sees the wrong data), the second not (the pages may be unmapped).
 """
 
 from __future__ import annotations
@@ -211,12 +212,14 @@ class SimCuda:
 
     def _execute(self, stream: SimStream, op: tuple) -> None:
         _, fn, handles = op
+        unmapped = False
         for h in handles:
             problem = h.problem(stream)
             if problem is not None:
                 self.violations.append(f"{stream.name}: {getattr(fn, '__name__', fn)} ran after its {problem}")
-        tensors = [h.get() for h in handles]
-        fn(*tensors)
+                unmapped = unmapped or h.on_host  # its pages may be gone: touching them would crash the tests
+        if not unmapped:
+            fn(*[h.get() for h in handles])
 
     def synchronize(self) -> None:
         """A device-wide host sync: every stream runs everything queued."""
