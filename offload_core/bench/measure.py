@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import re
 import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import psutil
 import torch
 
@@ -106,13 +108,13 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
     _sync(device)
     start = time.perf_counter()
     try:
-        call()
+        output = call()
         _sync(device)
         latency = time.perf_counter() - start
     finally:
         if probe is not None:
             probe.close()
-    sample = {"latency_s": latency, "peak_rss": rss.read(),
+    sample = {"latency_s": latency, "peak_rss": rss.read(), "output_sha256": output_digest(output),
               "peak_device_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if session is not None:
         stats = session.last_stats
@@ -130,6 +132,18 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["exposed_wait_s"] = 0.0
         sample["tiers"] = ["gpu"] if kv else []
     return sample
+
+
+def output_digest(output) -> str | None:
+    """SHA-256 of the images a request returned: equal digests are bit-identical outputs (exactness check)."""
+    images = getattr(output, "images", output)
+    if isinstance(images, torch.Tensor):
+        images = images.detach().float().cpu().numpy()
+    try:
+        data = np.ascontiguousarray(np.asarray(images)).tobytes()
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(data).hexdigest()
 
 
 def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: torch.device, rss: RssPeak) -> dict:
@@ -185,4 +199,5 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool) -> dict:
         "exposed_wait_s": statistics.median(s["exposed_wait_s"] for s in samples),
         "tiers": last["tiers"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
         "pinned_fallback": last.get("pinned_fallback", False),
+        "output_sha256": sorted({s.get("output_sha256") or "" for s in samples}),  # >1: not reproducible
     }
