@@ -153,10 +153,10 @@ class KVStore:
         """Streams, allocators and the ring; tiers open per place at the first layer placed there."""
         self.depth = self.config.depth if asynchronous else 0
         budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
-        self._allocator = HostAllocator(asynchronous and self.device.type == "cuda", budget,
-                                        self._host.pin, self._host.unpin)
-        self._pageable = HostAllocator(False, 0)
         self._streams = open_streams(self.device, asynchronous, self._host.stream)
+        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA).
+        self._allocator = HostAllocator(self._streams.asynchronous, budget, self._host.pin, self._host.unpin)
+        self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
         self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the

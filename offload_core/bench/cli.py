@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from . import hardware, loading, report
+from . import fullsize, hardware, loading, models, report
 from .measure import measure_rows
 from .rows import select_rows
 
@@ -22,8 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="compute device (default: cuda if available, else cpu)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (default: bfloat16 on cuda, float32 else)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps per request (default 8)")
-    p.add_argument("--resolution", type=int, default=256,
-                   help="output and condition-image side in pixels, a multiple of 32 (default 256)")
+    p.add_argument("--resolution", type=int,
+                   help="output and condition-image side in pixels, a multiple of 32 (default 256; 1024 at full size)")
     p.add_argument("--runs", type=int, default=3, help="timed requests per row after one warm-up (default 3)")
     p.add_argument("--images", type=int, default=1, help="condition images per request (default 1)")
     p.add_argument("--modes", help="comma-separated rows: none, gpu_upstream, gpu, ram_sync, ram_async, "
@@ -33,12 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, torch's default "
                    "otherwise; on a busy machine, OpenMP threads waiting for each other at every op can make a "
                    "multi-threaded CPU run 10-30x slower)")
+    p.add_argument("--size", choices=("tiny", "full"), default="tiny",
+                   help="built-in model widths: tiny (default) or full, the real Qwen-Image 2.1 / FLUX.2 [klein] 9B "
+                   "configs with random weights made on the device (refused up front when the memory is not there)")
+    p.add_argument("--pipeline", choices=("qwen21", "flux2"), default="qwen21",
+                   help="which built-in pipeline (default qwen21)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
     p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
     return p
 
 
 def _check(args, parser: argparse.ArgumentParser) -> None:
+    if args.size == "full" and args.model is not None:
+        parser.error("--size full builds a built-in pipeline at its real width; drop --model (a local folder is "
+                     "benchmarked at its own size).")
+    args.resolution = args.resolution or (1024 if args.size == "full" else 256)
     for name, low in (("steps", 2), ("runs", 1), ("images", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name} must be >= {low}; got {getattr(args, name)}.")
@@ -55,6 +64,10 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--threads must be >= 1; got {args.threads}.")
     default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
     args.torch_dtype = _DTYPES[args.dtype or default_dtype]
+    if args.size == "full":  # before anything is allocated
+        problem = fullsize.shortfall(args.pipeline, args.device, args.torch_dtype, args.images, args.resolution)
+        if problem:
+            parser.exit(2, problem + "\n")
 
 
 def _progress(total: int):
@@ -67,7 +80,13 @@ def _progress(total: int):
 
 def run(args) -> tuple[list[dict], dict, str]:
     """Measure every selected row; returns (rows, hardware, settings line)."""
-    pipe, description = loading.load(args.model, args.device, args.torch_dtype)
+    if args.size == "full":
+        pipe, description = fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
+    elif args.pipeline == "flux2" and args.model is None:
+        pipe = models.flux2_klein_kv_pipeline(loading.BENCH_SIZE, device=args.device, dtype=args.torch_dtype)
+        description = f"built-in Flux2KleinKVPipeline, random weights ({loading.BENCH_SIZE.layers} double layers)"
+    else:
+        pipe, description = loading.load(args.model, args.device, args.torch_dtype)
     rows, skipped = args.rows, ""
     if not loading.supports_no_cache(pipe) and any(r.key == "none" for r in rows):
         rows = [r for r in rows if r.key != "none"]

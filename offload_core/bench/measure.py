@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import math
 import re
 import statistics
@@ -115,6 +116,7 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         if probe is not None:
             probe.close()
     sample = {"latency_s": latency, "peak_rss": rss.read(), "image": _image(output),
+              "output_sha256": output_digest(output),
               "peak_device_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if session is not None:
         stats = session.last_stats
@@ -175,6 +177,18 @@ def prepare_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], device:
     return [row.with_budgets(reference["cache_bytes"]) for row in rows], reference["image"]
 
 
+def output_digest(output) -> str | None:
+    """SHA-256 of the images a request returned: equal digests are bit-identical outputs (exactness check)."""
+    images = getattr(output, "images", output)
+    if isinstance(images, torch.Tensor):
+        images = images.detach().float().cpu().numpy()
+    try:
+        data = np.ascontiguousarray(np.asarray(images)).tobytes()
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(data).hexdigest()
+
+
 def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: torch.device, rss: RssPeak) -> dict:
     """Enable the row's mode, run one request, disable again: one sample of `row`."""
     session = enable_kv_offload(pipe, row.mode, **row.config) if row.mode else None
@@ -233,4 +247,5 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None)
         "pinned_fallback": last.get("pinned_fallback", False),
         "plan": last.get("plan"), "kv_error": last.get("kv_error"),
         "psnr_db": psnr(last["image"], reference) if row.lossy else None,
+        "output_sha256": sorted({s.get("output_sha256") or "" for s in samples}),  # >1: not reproducible
     }

@@ -93,26 +93,32 @@ def _qwen21_vae(z_dim: int):
                                     latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim).eval()
 
 
-def _qwen21_components(size: TinySize, seed: int) -> dict:
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
-
+def _qwen21_tiny_config(size: TinySize) -> dict:
     head = size.head_dim
     axes = (head // 4, 3 * head // 8, head - head // 4 - 3 * head // 8)
+    return dict(patch_size=1, in_channels=16, out_channels=16, num_layers=size.layers, attention_head_dim=head,
+                num_attention_heads=size.heads, context_in_dim=size.context_dim, mlp_ratio=3, axes_dims_rope=axes)
+
+
+def _qwen21_components(size: TinySize, seed: int, config: dict | None = None) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+
+    config = config or _qwen21_tiny_config(size)
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    transformer = QwenImage21Transformer2DModel(
-        patch_size=1, in_channels=16, out_channels=16, num_layers=size.layers, attention_head_dim=head,
-        num_attention_heads=size.heads, context_in_dim=size.context_dim, mlp_ratio=3, axes_dims_rope=axes).eval()
-    return dict(transformer=transformer, vae=_qwen21_vae(16), text_encoder=_qwen3vl_text_encoder(tok, size.context_dim),
+    transformer = QwenImage21Transformer2DModel(**config).eval()
+    return dict(transformer=transformer, vae=_qwen21_vae(config["in_channels"]),
+                text_encoder=_qwen3vl_text_encoder(tok, config["context_in_dim"]),
                 processor=_qwen3vl_processor(tok), scheduler=FlowMatchEulerDiscreteScheduler(shift_terminal=None))
 
 
 def qwen21_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                    device: str | torch.device = "cpu"):
-    """A `QwenImage21Pipeline` with random weights: 16x VAE, 16 latent channels, patch size 1."""
+                    device: str | torch.device = "cpu", config: dict | None = None):
+    """A `QwenImage21Pipeline` with random weights: 16x VAE, 16 latent channels (`config`: the transformer's
+    config instead of `size`; the VAE and text encoder are tiny, of the widths it needs), patch size 1."""
     from diffusers import QwenImage21Pipeline
 
-    pipe = QwenImage21Pipeline(**_qwen21_components(size, seed))
+    pipe = QwenImage21Pipeline(**_qwen21_components(size, seed, config))
     pipe.set_progress_bar_config(disable=True)
     return _place(pipe, device, dtype)
 
@@ -136,27 +142,37 @@ def qwen21_modular_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype:
     return pipe
 
 
+def _flux2_tiny_config(size: TinySize) -> dict:
+    head = size.head_dim
+    return dict(patch_size=1, in_channels=16, num_layers=size.layers, num_single_layers=size.single_layers,
+                attention_head_dim=head, num_attention_heads=size.heads, joint_attention_dim=3 * 16,
+                timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(head // 4,) * 4, guidance_embeds=False)
+
+
 def flux2_klein_kv_pipeline(size: TinySize = TEST_SIZE, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                            device: str | torch.device = "cpu"):
-    """A `Flux2KleinKVPipeline` with random weights; call it with `text_encoder_out_layers=(1, 2, 3)`."""
+                            device: str | torch.device = "cpu", config: dict | None = None):
+    """A `Flux2KleinKVPipeline` with random weights; call it with `text_encoder_out_layers=(1, 2, 3)`.
+
+    `config`: the transformer's config (default: `size`); the text encoder and VAE are tiny, of the widths it
+    needs (text hidden `joint_attention_dim / 3`, VAE latent channels `in_channels / 4`, 16x spatially).
+    """
     from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinKVPipeline,
                            Flux2Transformer2DModel)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    config = config or _flux2_tiny_config(size)
     tok = tiny_tokenizer()
     torch.manual_seed(seed)
-    text_hidden = 16
+    text_hidden = config["joint_attention_dim"] // 3
     text = Qwen3ForCausalLM(Qwen3Config(
         vocab_size=len(tok), hidden_size=text_hidden, intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, pad_token_id=tok.pad_token_id)).eval()
-    head = size.head_dim
-    transformer = Flux2Transformer2DModel(
-        patch_size=1, in_channels=16, num_layers=size.layers, num_single_layers=size.single_layers,
-        attention_head_dim=head, num_attention_heads=size.heads, joint_attention_dim=3 * text_hidden,
-        timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(head // 4,) * 4, guidance_embeds=False).eval()
-    vae = AutoencoderKLFlux2(block_out_channels=(8, 8), layers_per_block=1, latent_channels=4, norm_num_groups=4,
-                             down_block_types=("DownEncoderBlock2D",) * 2,
-                             up_block_types=("UpDecoderBlock2D",) * 2).eval()
+    transformer = Flux2Transformer2DModel(**config).eval()
+    # The pipeline packs 2x2 latent patches into tokens; blocks - 1 halvings make the rest of the 16x.
+    blocks = 2 if config["in_channels"] <= 16 else 4
+    vae = AutoencoderKLFlux2(block_out_channels=(8,) * blocks, layers_per_block=1, norm_num_groups=4,
+                             latent_channels=config["in_channels"] // 4, down_block_types=("DownEncoderBlock2D",) * blocks,
+                             up_block_types=("UpDecoderBlock2D",) * blocks).eval()
     pipe = Flux2KleinKVPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text,
                                 tokenizer=tok, transformer=transformer)
     pipe.set_progress_bar_config(disable=True)

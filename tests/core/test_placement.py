@@ -78,9 +78,7 @@ def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
 
 @pytest.fixture
 def discrete_device(monkeypatch):
-    """Plans for the CPU as if it were a discrete GPU beside separate RAM (a stand-in for hardware we lack).
-
-    Nothing is pinned without CUDA, so the RAM layers are planned pageable."""
+    """Plans for the CPU as if it were a discrete GPU beside separate RAM (a stand-in for hardware we lack)."""
     monkeypatch.setattr(store_module, "same_pool_reason", lambda device: None)
 
 
@@ -91,15 +89,19 @@ def room_for(layers):
 
 @pytest.mark.parametrize("free_device, free_host, expect, words", [
     (64 * GiB, 64 * GiB, {"device": N}, "all 32 layers (0.5 MiB) fit in free device memory"),
-    (room_for(12), 64 * GiB, {"device": 10, "host_pageable": 22}, "10 resident on the device"),
-    (room_for(6), room_for(10), {"device": 4, "host_pageable": 10, "file": 18}, "18 in files (beyond free RAM"),
+    (room_for(12), 64 * GiB, {"device": 10, "ram": 22}, "10 resident on the device"),
+    (room_for(6), room_for(10), {"device": 4, "ram": 10, "file": 18}, "18 in files (beyond free RAM"),
 ], ids=["plenty", "tight-vram", "tight-both"])
-def test_auto_builds_a_full_plan_from_free_figures(discrete_device, free_device, free_host, expect, words, tmp_path):
+def test_auto_builds_a_full_plan_from_free_figures(discrete_device, free_device, free_host, expect, words, tmp_path,
+                                                   ordering):
     host = HostServices(free_device_memory=lambda d: free_device, free_host_memory=lambda: free_host,
                         temp_dir=lambda: str(tmp_path))
     layers = make_layers()
     served, stats = run(OffloadConfig(mode="auto"), layers, steps=2, host=host, expected=N * LAYER)
-    assert {place: n for place, n in stats["plan"].items() if n} == expect
+    # Pinned where copies are asynchronous (the CUDA model), pageable on the plain CPU path.
+    ram = "host_pinned" if ordering is not None else "host_pageable"
+    assert {place: n for place, n in stats["plan"].items() if n} == {ram if p == "ram" else p: n
+                                                                    for p, n in expect.items()}
     assert stats["reason"].startswith("auto: ") and words in stats["reason"], stats["reason"]
     assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], layers))
 
@@ -113,11 +115,12 @@ def test_auto_on_unified_memory_never_plans_ram(monkeypatch, tmp_path):
     assert "RAM places disabled, unified memory (stand-in)" in stats["reason"]
 
 
-def test_layers_beyond_the_expectation_respect_the_budgets(tmp_path):
+def test_layers_beyond_the_expectation_respect_the_budgets(tmp_path, ordering):
     # Told 4 layers, given 32: the device keeps what its budget allows, RAM its budget, the rest goes to files.
     config = OffloadConfig(mode="ram_async", device_budget=3 * LAYER, host_budget=5 * LAYER, file_dir=str(tmp_path))
     served, stats = run(config, make_layers(), steps=2, expected=4 * 2 * 8192)
-    assert stats["plan"] == {"device": 3, "host_pinned": 0, "host_pageable": 5, "file": 24}
+    ram = stats["plan"]["host_pinned"] + stats["plan"]["host_pageable"]
+    assert (stats["plan"]["device"], ram, stats["plan"]["file"]) == (3, 5, 24)
     assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], make_layers()))
 
 
@@ -125,15 +128,15 @@ def test_layers_beyond_the_expectation_respect_the_budgets(tmp_path):
 def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_path):
     gen = torch.Generator().manual_seed(3)
     layers = [(torch.randn(1, 8, 64, 128, generator=gen).bfloat16(), torch.randn(1, 8, 64, 128, generator=gen).bfloat16())
-              for _ in range(8)]
+              for _ in range(4)]  # K 128 KiB: the 4 KiB alignment of a flat layout costs < 4 % of the encoded bytes
     layer = 2 * 8 * 64 * 128 * 2
     exact = run(OffloadConfig(mode="gpu"), layers, steps=1)[1]["stored_bytes"]["device"]
     configs = {
         "gpu": OffloadConfig(mode="gpu", storage=storage),
         "ram": OffloadConfig(mode="ram_async", storage=storage),
         "file": OffloadConfig(mode="file_sync", storage=storage, file_dir=str(tmp_path)),
-        "mixed": OffloadConfig(mode="ram_async", storage=storage, device_budget=3 * layer // 2,
-                               host_budget=3 * layer // 2, file_dir=str(tmp_path)),
+        "mixed": OffloadConfig(mode="ram_async", storage=storage, device_budget=layer // 2 + 8192,
+                               host_budget=layer // 2 + 8192, file_dir=str(tmp_path)),
     }
     results = {name: run(config, layers, steps=2) for name, config in configs.items()}
     gpu_served, gpu_stats = results["gpu"]
@@ -144,7 +147,8 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
     assert ram["host_pinned"] + ram["host_pageable"] <= 0.55 * exact
     moved = results["ram"][1]["transfers"]
     assert moved["bytes"] <= 0.55 * layer * moved["count"]  # every copy moves the encoded bytes only
-    assert results["mixed"][1]["plan"]["device"] == 2 and results["mixed"][1]["plan"]["file"] > 0
+    assert results["mixed"][1]["plan"] == {"device": 1, "host_pinned": results["mixed"][1]["plan"]["host_pinned"],
+                                           "host_pageable": results["mixed"][1]["plan"]["host_pageable"], "file": 2}
     bound = {"fp8": 0.04, "int8": 0.015}[storage]
     for (k, v), (k0, v0) in zip(gpu_served[-1], layers):
         assert k.dtype == k0.dtype and k.shape == k0.shape

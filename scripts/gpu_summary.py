@@ -1,0 +1,147 @@
+"""The one summary table of `scripts/gpu_check.sh`, read from its results folder; exit 1 on any failure.
+
+Each step of the check leaves `<step>.rc` (its exit status) and `<step>.log` in the folder; pytest steps also
+`<step>.xml` (JUnit), benchmark steps `<step>.json`. A benchmark row is exact when every request of it
+returned the same images, bit for bit, as the `gpu` row (`output_sha256`); the `none` row (no cache,
+recomputed prefix) is shown but not required to match. A missing optional step (the streaming benchmark
+in a version without it) is a note, not a failure.
+
+Usage: python scripts/gpu_summary.py RESULTS_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+PASS, FAIL, NOTE = "pass", "FAIL", "note"
+ABSENT_MARKERS = ("unknown command", "invalid choice")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _rc(folder: str, step: str):
+    text = _read(os.path.join(folder, f"{step}.rc")).strip()
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _last_line(folder: str, step: str) -> str:
+    lines = [line.strip() for line in _read(os.path.join(folder, f"{step}.log")).splitlines() if line.strip()]
+    return lines[-1][:160] if lines else "no output"
+
+
+def pytest_row(folder: str, step: str, title: str) -> list:
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    try:
+        suites = ET.parse(os.path.join(folder, f"{step}.xml")).getroot()
+    except (OSError, ET.ParseError):
+        return [(title, FAIL, f"exit {rc}, no JUnit report: {_last_line(folder, step)}")]
+    suites = [suites] if suites.tag == "testsuite" else list(suites.iter("testsuite"))
+    count = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    seconds = sum(float(s.get("time", 0)) for s in suites)
+    passed = count["tests"] - count["failures"] - count["errors"] - count["skipped"]
+    detail = (f"{passed} passed, {count['failures']} failed, {count['errors']} errors, {count['skipped']} skipped, "
+              f"{seconds:.0f} s")
+    ok = rc == 0 and count["failures"] == 0 and count["errors"] == 0 and passed > 0
+    return [(title, PASS if ok else FAIL, detail if ok or passed == 0 and rc == 0 else f"exit {rc}: {detail}")]
+
+
+def demo_row(folder: str, step: str, title: str) -> list:
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    rows = [line.split() for line in _read(os.path.join(folder, f"{step}.log")).splitlines()]
+    table = [r for r in rows if len(r) >= 3 and r[2] in ("yes", "NO")]
+    inexact = [r[0] for r in table if r[2] == "NO"]
+    if rc != 0 or not table:
+        return [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    if inexact:
+        return [(title, FAIL, f"not bit-exact: {', '.join(inexact)}")]
+    return [(title, PASS, f"{len(table)} tiers, every one bit-exact")]
+
+
+def bench_rows(folder: str, step: str, title: str) -> list:
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    try:
+        with open(os.path.join(folder, f"{step}.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        status = NOTE if rc == 2 and "needs about" in _last_line(folder, step) else FAIL
+        return [(title, status, f"exit {rc}: {_last_line(folder, step)}")]
+    rows = data.get("rows", [])
+    reference = next((r.get("output_sha256") for r in rows if r.get("key") == "gpu"), None)
+    out = [] if rc == 0 else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    for row in rows:
+        digests = row.get("output_sha256") or []
+        if not reference or not digests or not all(digests):
+            status, exact = FAIL, "no output digest"
+        elif len(digests) > 1:
+            status, exact = FAIL, f"{len(digests)} different outputs across its runs"
+        elif digests == reference:
+            status, exact = PASS, "bit-exact vs gpu"
+        elif row.get("key") == "none":
+            status, exact = NOTE, "differs from gpu (recomputed prefix: not required)"
+        else:
+            status, exact = FAIL, "NOT bit-exact vs gpu"
+        ratio = row.get("ratio_to_gpu")
+        peak = row.get("peak_device_allocated")
+        detail = (f"{row.get('latency_s', float('nan')):.2f} s" + (f" ({ratio:.2f}x gpu)" if ratio else "")
+                  + (f", peak device {peak / 2**30:.1f} GiB" if peak else "")
+                  + f", exposed wait {row.get('exposed_wait_s', 0.0):.2f} s, {exact}")
+        out.append((f"{title}: {row.get('label', row.get('key'))}", status, detail))
+    return out or [(title, FAIL, "no rows")]
+
+
+def optional_row(folder: str, step: str, title: str) -> list:
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    log = _read(os.path.join(folder, f"{step}.log"))
+    if rc != 0 and any(marker in log for marker in ABSENT_MARKERS):
+        return [(title, NOTE, "not in this version of the engine: skipped")]
+    return [(title, PASS if rc == 0 else FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+
+
+STEPS = [
+    (pytest_row, "sanitizer", "gpu tests, TORCH_CUDA_SANITIZER=1"),
+    (pytest_row, "tests", "gpu tests"),
+    (demo_row, "demo", "demo round trip, every tier"),
+    (bench_rows, "bench-qwen21", "bench full Qwen-Image 2.1"),
+    (bench_rows, "bench-flux2", "bench full FLUX.2 klein 9B"),
+    (optional_row, "stream", "streaming benchmark"),
+]
+
+
+def summary(folder: str) -> tuple[str, bool]:
+    rows = [row for fn, step, title in STEPS for row in fn(folder, step, title)]
+    width = max(len(r[0]) for r in rows)
+    lines = [f"{'check':<{width}}  {'result':<6}  details", f"{'-' * width}  ------  {'-' * 40}"]
+    lines += [f"{name:<{width}}  {status:<6}  {detail}" for name, status, detail in rows]
+    return "\n".join(lines), not any(status == FAIL for _, status, _ in rows)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or not os.path.isdir(argv[0]):
+        print("usage: python scripts/gpu_summary.py RESULTS_DIR", file=sys.stderr)
+        return 2
+    text, ok = summary(argv[0])
+    print(text)
+    print("all checks passed" if ok else "SOME CHECKS FAILED (see the FAIL rows and their logs)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

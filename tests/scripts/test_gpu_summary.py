@@ -1,0 +1,95 @@
+"""The summary of scripts/gpu_check.sh: read from a results folder, one table, exit 1 on any failure.
+
+No GPU here: the folder is what the script's steps leave behind, the benchmark JSON a real (tiny, CPU) run."""
+
+import importlib.util
+import json
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "scripts" / "gpu_summary.py")
+gpu_summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_summary)
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="{e}" failures="{f}"
+skipped="1" tests="{n}" time="12.5"></testsuite></testsuites>"""
+DEMO = """mode        tier        exact    put s  get pass s  exposed wait ms
+gpu         gpu         yes      0.010       0.002              0.0
+ram_async   ram_async   {exact}      0.100       0.050              1.0
+"""
+
+
+def write(folder, step, rc, log="", **files):
+    (folder / f"{step}.rc").write_text(f"{rc}\n")
+    (folder / f"{step}.log").write_text(log)
+    for ext, text in files.items():
+        (folder / f"{step}.{ext}").write_text(text)
+
+
+def bench_json(digests):
+    rows = [{"key": key, "label": key, "latency_s": 1.5, "ratio_to_gpu": 1.0, "peak_device_allocated": 3 << 30,
+             "exposed_wait_s": 0.01, "output_sha256": d} for key, d in digests.items()]
+    return json.dumps({"v": 1, "rows": rows})
+
+
+@pytest.fixture
+def passing(tmp_path):
+    write(tmp_path, "sanitizer", 0, xml=JUNIT.format(n=10, f=0, e=0))
+    write(tmp_path, "tests", 0, xml=JUNIT.format(n=10, f=0, e=0))
+    write(tmp_path, "demo", 0, DEMO.format(exact="yes"))
+    for name in ("bench-qwen21", "bench-flux2"):
+        write(tmp_path, name, 0, json=bench_json({"none": ["b"], "gpu": ["a"], "ram_async": ["a"]}))
+    write(tmp_path, "stream", 2, "unknown command 'stream'; use 'bench' or 'demo'\n")
+    return tmp_path
+
+
+def test_everything_exact_passes_and_notes_what_is_absent(passing, capsys):
+    assert gpu_summary.main([str(passing)]) == 0
+    out = capsys.readouterr().out
+    assert "9 passed, 0 failed, 0 errors, 1 skipped" in out and "2 tiers, every one bit-exact" in out
+    assert re.search(r"bench full Qwen-Image 2.1: ram_async +pass +1.50 s \(1.00x gpu\), peak device 3.0 GiB", out)
+    assert "recomputed prefix: not required" in out and "not in this version" in out
+    assert "all checks passed" in out
+
+
+@pytest.mark.parametrize("breakage", ["failed test", "inexact demo", "inexact row", "unstable row", "crash",
+                                      "no report", "stream failed", "timeout"])
+def test_any_failure_fails_the_check(passing, breakage, capsys):
+    if breakage == "failed test":
+        write(passing, "sanitizer", 1, xml=JUNIT.format(n=10, f=1, e=0))
+    elif breakage == "inexact demo":
+        write(passing, "demo", 0, DEMO.format(exact="NO"))
+    elif breakage == "inexact row":
+        write(passing, "bench-flux2", 0, json=bench_json({"gpu": ["a"], "file_sync_cold": ["c"]}))
+    elif breakage == "unstable row":
+        write(passing, "bench-qwen21", 0, json=bench_json({"gpu": ["a"], "ram_sync": ["a", "c"]}))
+    elif breakage == "crash":
+        write(passing, "bench-qwen21", 139, "Segmentation fault\n")
+    elif breakage == "no report":
+        write(passing, "tests", 4, "ERROR: usage\n")
+    elif breakage == "stream failed":
+        write(passing, "stream", 1, "ram_async: NOT exact\n")
+    else:
+        write(passing, "sanitizer", 124, "....\n", xml=JUNIT.format(n=3, f=0, e=0))
+    assert gpu_summary.main([str(passing)]) == 1
+    assert "SOME CHECKS FAILED" in capsys.readouterr().out
+
+
+def test_a_real_benchmark_json_has_the_digests_the_summary_checks(tmp_path, one_torch_thread):
+    pytest.importorskip("diffusers", reason="the benchmark needs diffusers 0.42")
+    from offload_core.bench import main
+
+    path = tmp_path / "bench-qwen21.json"
+    assert main(["--runs", "1", "--steps", "2", "--resolution", "64", "--modes", "gpu,ram_async,file_sync_cold",
+                 "--json", str(path)]) == 0
+    write(tmp_path, "bench-qwen21", 0)
+    rows = gpu_summary.bench_rows(str(tmp_path), "bench-qwen21", "bench")
+    assert [status for _, status, _ in rows] == ["pass"] * 3, rows
+
+
+def test_the_check_script_is_valid_bash():
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
