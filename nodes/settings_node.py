@@ -54,13 +54,13 @@ class KVOffloadSettings(io.ComfyNode):
                                      "Beyond it the cache uses pageable memory (slower, never fails)."),
                 # Optional: prompts and workflows saved before these inputs existed still validate.
                 io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
-                             tooltip="The dial between speed and VRAM: up to this many MiB of each cache (cond "
-                                     "and uncond each) stay in VRAM, the rest streams from the mode's place; 0 "
-                                     "lets the mode decide. Streaming modes and auto; ignored by gpu and off."),
+                             tooltip="Speed-VRAM dial: up to this many MiB of each cache (cond and uncond each) "
+                                     "stay in VRAM and the rest streams from the mode's place (0: the mode "
+                                     "decides; ignored by gpu and off)."),
                 io.Combo.Input("storage", options=STORAGES, default="exact", optional=True,
-                               tooltip="How the cache is kept: exact (lossless, the default) or fp8 / int8, "
-                                       "about half the VRAM, RAM, disk and copy time, with a small measured "
-                                       "error in the image. Every mode but off."),
+                               tooltip="exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, "
+                                       "RAM, disk and copy time for a small, measured error in the image (every "
+                                       "mode but off)."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
         )
