@@ -108,6 +108,11 @@ def _views(flat: torch.Tensor, rows: int, width: int, qdtype: torch.dtype):
     return q, scales
 
 
+def add_error(total: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
+    """Running [max, sum, sum] of `Codec.error` results, still on the device."""
+    return torch.cat([torch.maximum(total[:1], err[:1]), total[1:] + err[1:]])
+
+
 def codec_for(storage: str) -> Optional[Codec]:
     """The codec of an `OffloadConfig.storage` value; None for "exact" (bytes kept as they are)."""
     return None if storage == "exact" else Codec(storage)

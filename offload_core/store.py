@@ -17,7 +17,6 @@ copy it reads: resident layers too are kept encoded and decoded into a slot.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
@@ -25,9 +24,10 @@ from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import codec_for
+from .codec import add_error, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .devices import DONE, Streams, open_streams, unified_memory_reason
+from .guards import check_device, check_pair, engine_mode, one_consumer
 from .hostmem import HostAllocator
 from .layout import LayerLayout, layout_for, views
 from .plan import ASSUMED_LAYERS, DEVICE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
@@ -35,33 +35,9 @@ from .policy import LayerOrder
 from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
 from .tiers import Pending, Tier, TierContext
 from .tiers.base import check_unmodified
-from .tiers.registry import PlaceOptions, open_tier
+from .tiers.registry import PlaceOptions, close_tiers, open_tier
 
 log = logging.getLogger(__name__)
-
-
-def _engine_mode(method):
-    """Runs a public method outside inference mode and autograd.
-
-    Hosts such as ComfyUI call us under `torch.inference_mode()`: buffers allocated there would be inference
-    tensors, which the file tier's I/O thread (not in inference mode) may not write in place. Ordinary tensors
-    made here are read fine by inference-mode code.
-    """
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        with torch.inference_mode(False), torch.no_grad():
-            return method(*args, **kwargs)
-    return wrapper
-
-
-def _one_consumer(method):
-    """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        self._check_consumer(method.__name__)
-        with self._busy:
-            return method(self, *args, **kwargs)
-    return wrapper
 
 
 def same_pool_reason(device: torch.device) -> Optional[str]:
@@ -107,7 +83,7 @@ class KVStore:
         if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
                                            or expected_bytes < 0):
             raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
-        self.device = _check_device(device)
+        self.device = check_device(device)
         if config.storage == "fp8" and self.device.type == "mps":
             raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "
                              "got storage='fp8' on an mps device. Use storage='int8' there.")
@@ -161,7 +137,7 @@ class KVStore:
         self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
-        self._finalizer = weakref.finalize(self, _close_tiers, self._tiers, self._streams)
+        self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
     def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
@@ -195,7 +171,7 @@ class KVStore:
             tier = self._tiers[place] = open_tier(place, self._ctx, opts)
         return tier
 
-    @_engine_mode
+    @engine_mode
     def close(self) -> None:
         """Finishes or cancels outstanding transfers, then frees every buffer and deletes every file.
 
@@ -230,12 +206,12 @@ class KVStore:
         self.close()
 
     # -- put / get -------------------------------------------------------------------------------------------
-    @_engine_mode
-    @_one_consumer
+    @engine_mode
+    @one_consumer
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
-        _check_pair(key, k, v, self.device)
+        check_pair(key, k, v, self.device)
         if key in self._layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
@@ -243,7 +219,7 @@ class KVStore:
         if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
             ek, ev = self._codec.encode(k), self._codec.encode(v)
             for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
-                self._codec_error = err if self._codec_error is None else _add_error(self._codec_error, err)
+                self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
             k, v = ek, ev
             kept = layout_for(k, v)
         else:
@@ -263,8 +239,8 @@ class KVStore:
                 self._used["host"] += kept.data_bytes
             self._stats.count_transfer(kept.data_bytes)
 
-    @_engine_mode
-    @_one_consumer
+    @engine_mode
+    @one_consumer
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, in the dtype put (bit-identical for `storage="exact"`).
 
@@ -443,56 +419,3 @@ class KVStore:
             self, len(self._layouts), tier_bytes, info, self._streams if opened else None,
             self._allocator.fallback_reason if opened else None,
         )
-
-
-def _add_error(total: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.maximum(total[:1], err[:1]), total[1:] + err[1:]])
-
-
-def _close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
-    # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
-    # before any tier frees or deletes anything.
-    try:
-        streams.drain()
-    finally:
-        errors = []
-        for tier in list(tiers.values()):  # every tier is closed, whichever fails
-            try:
-                tier.close()
-            except BaseException as exc:
-                errors.append(exc)
-        streams.synchronize()
-        if errors:
-            raise errors[0]
-
-
-def _check_device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"KVStore: `device` {device!r} is not a torch device ({exc}). Pass e.g. 'cuda:0'.") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"KVStore: `device` must be a cpu, cuda or mps device; got {str(device)!r}, which holds no "
-                         "data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"KVStore: `device` is {device}, but CUDA is not available here. Pass device='cpu'.")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _check_pair(key: Hashable, k, v, device: torch.device) -> None:
-    if key is None:
-        raise TypeError("KVStore.put: layer key None is reserved; use e.g. the layer index or ('double', i).")
-    try:
-        hash(key)
-    except TypeError:
-        raise TypeError(f"KVStore.put: layer key {key!r} is not hashable; use e.g. an int or a tuple.") from None
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"KVStore.put: `{name}` must be a torch.Tensor; got {type(t).__name__}.")
-        same = t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
-        if not same:
-            raise ValueError(f"KVStore.put: `{name}` is on {t.device}, but this store serves {device}. "
-                             f"Create the store with device={str(t.device)!r}, or move the tensor first.")

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
+import torch
+
+from ..devices import Streams
 from ..hostmem import HostAllocator
 from ..plan import DEVICE, FILE, PAGEABLE, PINNED
 from .base import Tier, TierContext
@@ -61,3 +64,20 @@ def open_tier(place: str, ctx: TierContext, opts: PlaceOptions) -> Tier:
     except KeyError:
         raise ValueError(f"unknown place {place!r}; expected one of {', '.join(FACTORIES)}") from None
     return factory(ctx, opts)
+
+
+def close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
+    # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
+    # before any tier frees or deletes anything.
+    try:
+        streams.drain()
+    finally:
+        errors = []
+        for tier in list(tiers.values()):  # every tier is closed, whichever fails
+            try:
+                tier.close()
+            except BaseException as exc:
+                errors.append(exc)
+        streams.synchronize()
+        if errors:
+            raise errors[0]

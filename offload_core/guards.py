@@ -1,0 +1,66 @@
+"""The store's guards against misuse: engine calls outside inference mode, one consumer thread, valid devices
+and layer pairs. Each raises before anything is allocated, naming the value, the rule and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Hashable
+
+import torch
+
+
+def engine_mode(method):
+    """Runs a public method outside inference mode and autograd.
+
+    Hosts such as ComfyUI call us under `torch.inference_mode()`: buffers allocated there would be inference
+    tensors, which the file tier's I/O thread (not in inference mode) may not write in place. Ordinary tensors
+    made here are read fine by inference-mode code.
+    """
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+    return wrapper
+
+
+def one_consumer(method):
+    """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._check_consumer(method.__name__)
+        with self._busy:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
+def check_device(device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"KVStore: `device` {device!r} is not a torch device ({exc}). Pass e.g. 'cuda:0'.") from None
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"KVStore: `device` must be a cpu, cuda or mps device; got {str(device)!r}, which holds no "
+                         "data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"KVStore: `device` is {device}, but CUDA is not available here. Pass device='cpu'.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_pair(key: Hashable, k, v, device: torch.device) -> None:
+    if key is None:
+        raise TypeError("KVStore.put: layer key None is reserved; use e.g. the layer index or ('double', i).")
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"KVStore.put: layer key {key!r} is not hashable; use e.g. an int or a tuple.") from None
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"KVStore.put: `{name}` must be a torch.Tensor; got {type(t).__name__}.")
+        same = t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
+        if not same:
+            raise ValueError(f"KVStore.put: `{name}` is on {t.device}, but this store serves {device}. "
+                             f"Create the store with device={str(t.device)!r}, or move the tensor first.")
