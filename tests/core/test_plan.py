@@ -95,3 +95,13 @@ def test_explicit_ram_async_beyond_the_pin_budget_says_so():
     plan = make_plan(Mode.RAM_ASYNC, figures(pin_budget=10 * LAYER))
     assert plan.counts()[PINNED] == 10 and plan.counts()[PAGEABLE] == 22
     assert "10 in pinned RAM (pin budget 0.62 GiB), 22 in pageable RAM (beyond the pin budget)" in plan.reason
+
+
+def test_auto_honours_a_device_budget_below_the_free_vram():
+    plan = make_plan(Mode.AUTO, figures(free_device=64 * GiB, free_host=64 * GiB, device_budget=4 * LAYER))
+    assert plan.counts()[DEVICE] == 4 and plan.counts()[PINNED] == 28 and "device_budget" in plan.reason
+
+
+def test_zero_budgets_keep_nothing_there():
+    plan = make_plan(Mode.RAM_SYNC, figures(device_budget=0, host_budget=0))
+    assert plan.counts() == {DEVICE: 0, PINNED: 0, PAGEABLE: 0, FILE: 32}
