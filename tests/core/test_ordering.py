@@ -116,7 +116,7 @@ def test_a_slot_grows_only_after_the_copy_into_it_finished(make_sim, mode, tmp_p
 
 def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
     # Guards `slot.key = None` in `_load`: a Ctrl-C after a copy into a slot was queued, before it is recorded.
-    sim = make_sim("late")
+    sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=36)
     with KVStore(OffloadConfig(mode="ram_async"), "cpu") as store:
         for key, (k, v) in layers.items():
