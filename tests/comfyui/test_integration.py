@@ -166,23 +166,48 @@ def test_linked_mode_is_validated_when_the_node_runs(comfy):
     assert entry["status"]["status_str"] == "error" and "`mode` must be one of" in json.dumps(entry["status"])
 
 
+def _live_stats_on_disk(comfy):
+    """The readout once the run's stores exist and hold files (the second forward, not the first), else None."""
+    if not comfy.kv_files():
+        return None
+    code, stats = comfy.request("GET", "/kv_offload/stats")
+    ready = code == 200 and stats["run"]["active"] and stats["stores"] and any(s["on_disk"] for s in stats["stores"])
+    return stats if ready else None
+
+
+def stop_prompt(comfy, prompt_id: str, timeout: float = INTERRUPT_TIMEOUT_S) -> None:
+    """Takes `prompt_id` off the queue or interrupts it, and waits until ComfyUI has let go of it."""
+    comfy.request("POST", "/queue", {"delete": [prompt_id]})
+    deadline = time.monotonic() + timeout
+    while True:
+        _, queue = comfy.request("GET", "/queue")
+        running = [item[1] for item in queue.get("queue_running", [])]
+        pending = [item[1] for item in queue.get("queue_pending", [])]
+        if prompt_id not in running + pending:
+            return
+        if prompt_id in running:
+            comfy.request("POST", "/interrupt", {})
+        assert time.monotonic() < deadline, f"prompt {prompt_id} still queued or running; log:\n{comfy.tail()}"
+        time.sleep(0.05)
+
+
 def test_interrupted_run_frees_everything_then_a_clean_run(comfy):
     long_run = graph(mode="file_async", cfg=2.0, steps=5000, size=8, seed=31)
     code, body = comfy.submit(long_run)
     assert code == 200, body
-    deadline = time.monotonic() + INTERRUPT_TIMEOUT_S
-    while not comfy.kv_files():  # the capture step has written the cache files: sampling is under way
-        assert time.monotonic() < deadline, f"no cache files appeared; log:\n{comfy.tail()}"
-        time.sleep(0.02)
-    # the files lie where ComfyUI's /view (temp, output, input) cannot serve them, and no path is published
-    served = [comfy.base / d for d in ("temp", "output", "input")]
-    assert not [f for f in comfy.kv_files() if any(Path(f).is_relative_to(d) for d in served)]
-    time.sleep(0.3)
-    code, stats = comfy.request("GET", "/kv_offload/stats")
-    assert code == 200 and stats["run"]["active"] and stats["stores"], stats
-    assert any(s["on_disk"] for s in stats["stores"]) and paths_in(stats, comfy.base) == [], stats
-    assert comfy.request("POST", "/interrupt", {})[0] == 200
-    entry = comfy.wait(body["prompt_id"])
+    prompt_id = body["prompt_id"]
+    try:
+        deadline = time.monotonic() + INTERRUPT_TIMEOUT_S
+        while (stats := _live_stats_on_disk(comfy)) is None:  # sampling is under way, the cache on disk
+            assert time.monotonic() < deadline, f"no store with files appeared; log:\n{comfy.tail()}"
+            time.sleep(0.02)
+        # the files lie where ComfyUI's /view (temp, output, input) cannot serve them, and no path is published
+        served = [comfy.base / d for d in ("temp", "output", "input")]
+        assert not [f for f in comfy.kv_files() if any(Path(f).is_relative_to(d) for d in served)]
+        assert paths_in(stats, comfy.base) == [], stats
+    finally:
+        stop_prompt(comfy, prompt_id)  # also when an assertion failed: a 5000-step run must not outlive the test
+    entry = comfy.wait(prompt_id)
     kinds = [kind for kind, _ in entry["status"]["messages"]]
     assert "execution_interrupted" in kinds, entry["status"]
     assert comfy.kv_files() == []

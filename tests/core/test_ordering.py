@@ -114,9 +114,27 @@ def test_a_slot_grows_only_after_the_copy_into_it_finished(make_sim, mode, tmp_p
         assert_exact(seen, layers)
 
 
+@pytest.mark.parametrize("mode", ASYNC)
+def test_a_new_slot_waits_for_the_kernels_still_using_its_memory(make_sim, mode, tmp_path):
+    # Guards the release fence of a freshly allocated slot: the allocator hands out memory the consumer just
+    # freed while its kernels using it are still queued; the first copy into the slot must wait for them.
+    sim = make_sim("early")
+    layers = make_layers(range(3), torch.float32, seed=38)
+    with KVStore(config(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        sim.synchronize()
+        scratch, seen = sim.empty(store._layouts[0].data_bytes), []
+        sim.launch(lambda t: t.fill_(7), scratch)  # the consumer's own work on its own buffer...
+        sim.launch(lambda t: seen.append(t.clone()), scratch)
+        del scratch  # ...which it frees at once, as PyTorch code does, its kernels still queued
+        assert_exact(read_back(sim, store, [0, 1, 2]), layers)
+        assert bool((seen[0] == 7).all()), "a copy into a new slot overwrote memory the consumer still used"
+
+
 def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
     # Guards `slot.key = None` in `_load`: a Ctrl-C after a copy into a slot was queued, before it is recorded.
-    sim = make_sim("late")
+    sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=36)
     with KVStore(OffloadConfig(mode="ram_async"), "cpu") as store:
         for key, (k, v) in layers.items():

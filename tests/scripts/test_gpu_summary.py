@@ -57,7 +57,7 @@ def test_everything_exact_passes_and_notes_what_is_absent(passing, capsys):
 
 
 @pytest.mark.parametrize("breakage", ["failed test", "inexact demo", "inexact row", "unstable row", "crash",
-                                      "no report", "stream failed", "timeout"])
+                                      "no report", "stream failed", "timeout", "nothing ran"])
 def test_any_failure_fails_the_check(passing, breakage, capsys):
     if breakage == "failed test":
         write(passing, "sanitizer", 1, xml=JUNIT.format(n=10, f=1, e=0))
@@ -73,6 +73,8 @@ def test_any_failure_fails_the_check(passing, breakage, capsys):
         write(passing, "tests", 4, "ERROR: usage\n")
     elif breakage == "stream failed":
         write(passing, "stream", 1, "ram_async: NOT exact\n")
+    elif breakage == "nothing ran":  # every gpu test skipped: no CUDA after all
+        write(passing, "tests", 0, xml=JUNIT.format(n=1, f=0, e=0))
     else:
         write(passing, "sanitizer", 124, "....\n", xml=JUNIT.format(n=3, f=0, e=0))
     assert gpu_summary.main([str(passing)]) == 1
