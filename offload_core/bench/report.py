@@ -107,7 +107,7 @@ def write_plot(path: str, rows: list[dict], title: str) -> str | None:
         # Tiers often share a memory figure: a legend stays readable where point labels would overlap.
         ax.scatter([(r[field] or 0) / 2**20], [r["latency_s"]], s=60, alpha=0.8, marker=markers[index % len(markers)],
                    label=f"{r['label']} ({r['latency_s']:.2f} s)")
-    dial = sorted((r for r in rows if r["key"] in DIAL_KEYS), key=lambda r: r[field] or 0)
+    dial = sorted((r for r in rows if r["key"] in DIAL_KEYS), key=lambda r: DIAL_KEYS.index(r["key"]))
     if len(dial) > 1:  # the device budget is a dial: its rows lie on one curve from streamed to resident
         ax.plot([(r[field] or 0) / 2**20 for r in dial], [r["latency_s"] for r in dial], ":", color="grey",
                 linewidth=1, label="device budget dial")
