@@ -103,8 +103,8 @@ function timelineElements() {
   const svg = svgElement("svg", { class: "kvo-timeline", viewBox: `0 0 ${g.width} ${g.height}`, preserveAspectRatio: "none" });
   svg.dataset.points = String(history.points.length);
   for (const m of g.marks) {
-    const w = m.what === "release" ? 0 : m.width;
-    svg.appendChild(svgElement("rect", { class: `kvo-mark kvo-m-${m.what}`, x: m.x, y: 0, width: Math.max(w, 1.5), height: g.height }));
+    const w = Math.max(m.what === "release" ? 0 : m.width, 1.5); // a line at least, kept inside the box
+    svg.appendChild(svgElement("rect", { class: `kvo-mark kvo-m-${m.what}`, x: Math.min(m.x, g.width - w), y: 0, width: w, height: g.height }));
   }
   svg.appendChild(svgElement("line", { class: "kvo-tl-lane", x1: 0, x2: g.width, y1: g.lane, y2: g.lane }));
   if (g.kvArea) svg.appendChild(svgElement("path", { class: "kvo-tl-kv", d: g.kvArea }));

@@ -44,4 +44,4 @@ export const STYLE = `
 .kvo-tab-header { min-height: 4rem; display: flex; align-items: center; padding: 0 .75rem; box-sizing: border-box;
   border-bottom: 1px solid var(--p-panel-border-color, var(--border-color, rgba(128,128,128,.3))); }
 .kvo-tab-title { font-weight: bold; }
-.kvo-sidebar { padding: 8px 12px; flex: 1 1 0; }`;
+.kvo-sidebar { padding: 8px 12px; flex: 1 1 auto; min-height: 0; }`;
