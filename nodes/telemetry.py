@@ -336,6 +336,8 @@ class NodeTelemetry:
         self.hub.run_started(run_id, node=self.node_id)
 
     def __getattr__(self, name: str) -> Any:  # track, step, progress, forward_done, run_finished, ...
+        if name.startswith("__") or name == "hub":  # copy / pickle probe these before __init__ ran
+            raise AttributeError(name)
         return getattr(self.hub, name)
 
 

@@ -136,60 +136,71 @@ function textFits(root) {
   return (text) => width <= 0 || measureCtx.measureText(text).width <= width - 2;
 }
 
+// The Settings node's two lines: its own run's latest payload (the memory alone until it has run).
+function compactRenderer(node, root, content) {
+  let own = null;
+  return (payload) => {
+    if (isRunOf(payload, node.id)) own = payload;
+    const lines = buildCompact(own ?? payload, { fits: textFits(root), own: own !== null });
+    content.replaceChildren(...lines.map((value) => rowElement({ label: "", value, scope: null })));
+    root.dataset.own = String(own !== null);
+  };
+}
+
+// Content height follows the width (rows wrap): keep the node tall enough; the compact lines are picked for
+// the width, so a new width picks them again. No timer: the browser reports sizes.
+function watchSize(node, widget, view, compact) {
+  const { root, content, size } = view;
+  let width = null;
+  const observer = new ResizeObserver(() => {
+    if (compact && latest && root.clientWidth !== width) {
+      width = root.clientWidth;
+      view.render(latest);
+    }
+    const h = content.offsetHeight;
+    if (h > 0) size.content = h;
+    if (h > 0 && widget.computedHeight > 0 && root.offsetHeight > 0) {
+      const style = getComputedStyle(root);
+      const padding = (parseFloat(style.paddingTop) || 0) + (parseFloat(style.paddingBottom) || 0);
+      size.chrome = Math.max(size.chrome, Math.ceil(widget.computedHeight - root.clientHeight + padding));
+    }
+    growToFit(node); // only ever grows: a size the user chose is kept when it is big enough
+  });
+  observer.observe(content);
+  if (compact) observer.observe(root);
+  return observer;
+}
+
 function makeView(node, compact) {
   injectStyle();
   const root = el("div", compact ? "kvo-readout kvo-compact" : "kvo-readout");
   root.dataset.kvOffload = compact ? "compact" : "readout";
   const content = el("div", "kvo-content");
   root.appendChild(content);
-  let contentHeight = compact ? 2 * COMPACT_LINE_PX : 300; // until the browser has laid it out
-  let chrome = 26; // the widget's height beyond its content: the readout's padding and the widget's margins
-  let own = null; // the Settings node: the latest payload of its own run
+  // content: its height until the browser has laid it out; chrome: the widget's height beyond its content
+  const size = { content: compact ? 2 * COMPACT_LINE_PX : 300, chrome: 26 };
   const widget = node.addDOMWidget(compact ? "kv_memory_compact" : "kv_memory", "kv_offload_readout", root, {
     serialize: false,
     hideOnZoom: false,
-    getMinHeight: () => contentHeight + chrome,
+    getMinHeight: () => size.content + size.chrome,
   });
   widget.serialize = false; // not an input: never written into the workflow or the prompt
+  const draw = compact ? compactRenderer(node, root, content) : (payload) => renderFull(content, payload);
   const view = {
+    root, content, size,
     render(payload) {
-      if (compact) {
-        if (isRunOf(payload, node.id)) own = payload;
-        const shown = own ?? payload;
-        const lines = buildCompact(shown, { fits: textFits(root), own: own !== null });
-        content.replaceChildren(...lines.map((value) => rowElement({ label: "", value, scope: null })));
-        root.dataset.own = String(own !== null);
-      } else {
-        renderFull(content, payload);
-      }
+      draw(payload);
       root.dataset.event = payload?.event ?? "";
       root.dataset.time = String(payload?.time ?? "");
       root.dataset.capturing = String(isCapturing(payload));
     },
   };
   views.add(view);
-  // Content height follows the width (rows wrap): keep the node tall enough. No timer: the browser tells us.
-  let width = null;
-  const resize = new ResizeObserver(() => {
-    if (compact && latest && root.clientWidth !== width) {
-      width = root.clientWidth; // the two lines are picked for the width: pick again
-      view.render(latest);
-    }
-    const h = content.offsetHeight;
-    if (h > 0) contentHeight = h;
-    if (h > 0 && widget.computedHeight > 0 && root.offsetHeight > 0) {
-      const padding = root.offsetHeight - root.clientHeight + (parseFloat(getComputedStyle(root).paddingTop) || 0)
-        + (parseFloat(getComputedStyle(root).paddingBottom) || 0);
-      chrome = Math.max(chrome, Math.ceil(widget.computedHeight - root.offsetHeight + padding));
-    }
-    growToFit(node); // only ever grows: a size the user chose is kept when it is big enough
-  });
-  resize.observe(content);
-  if (compact) resize.observe(root);
+  const observer = watchSize(node, widget, view, compact);
   const onRemoved = node.onRemoved;
   node.onRemoved = function () {
     views.delete(view);
-    resize.disconnect();
+    observer.disconnect();
     return onRemoved?.apply(this, arguments);
   };
   if (!compact) keepMinimumWidth(node);

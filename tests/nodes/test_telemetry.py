@@ -352,3 +352,5 @@ def test_a_node_view_tags_its_runs_with_the_node_id(hub):
     assert [data["run"]["node"] for _, data in hub.sender.messages] == ["17", "17"]
     hub.run_started("r2")  # a run without a node (e.g. another pack's call) says so
     assert hub.sender.messages[-1][1]["run"]["node"] is None
+    import copy
+    assert copy.copy(view).hub is hub  # the patched MODEL holds the view; copying it must not recurse
