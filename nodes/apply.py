@@ -262,7 +262,10 @@ def _readout_only(telemetry):
 def _readout_step(telemetry):
     def diffusion_model_wrapper(executor, *args, **kwargs):
         _safe(telemetry.step)
-        return executor(*args, **kwargs)
+        try:
+            return executor(*args, **kwargs)
+        finally:  # a push after the forward too, as with a cache
+            _safe(telemetry.forward_done)
 
     diffusion_model_wrapper.kv_offload = True
     return diffusion_model_wrapper

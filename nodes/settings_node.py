@@ -63,18 +63,22 @@ class KVOffloadSettings(io.ComfyNode):
                                        "mode but off)."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
+            hidden=[io.Hidden.unique_id],  # the memory readout shows this node's own run
         )
 
     @classmethod
-    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
-                        storage="exact") -> bool | str:
-        return validation_message(mode=mode, prefetch_depth=prefetch_depth, bypass_page_cache=bypass_page_cache,
-                                  pin_budget_mb=pin_budget_mb, vram_budget_mb=vram_budget_mb, storage=storage)
+    def validate_inputs(cls, mode) -> bool | str:
+        # ComfyUI attaches this message to every argument taken here, so it takes only `mode`; the numbers
+        # are range-checked by ComfyUI against their min/max (each error on its own input), and `execute`
+        # checks every value again through the engine.
+        return validation_message(mode=mode)
 
     @classmethod
     def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
                 storage="exact") -> io.NodeOutput:
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage)
+        # the readout tags this node's runs with its id, so the node shows its own run
+        telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if TELEMETRY is not None and cls.hidden else TELEMETRY
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
-                                   telemetry=TELEMETRY)
+                                   telemetry=telemetry)
         return io.NodeOutput(patched)

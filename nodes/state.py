@@ -123,7 +123,15 @@ class RunState:
         return self.forward
 
     def end_forward(self, ok: bool) -> None:
-        """Close the forward: a capture is complete only if its forward ran to the end."""
+        """Close the forward: a capture is complete only if its forward ran to the end.
+
+        Then the readout is told (after the drop of an incomplete capture, so it never shows one as kept)."""
+        try:
+            self._end_forward(ok)
+        finally:
+            self._tell("forward_done")
+
+    def _end_forward(self, ok: bool) -> None:
         fwd, self.forward = self.forward, None
         self.forwards += 1
         if fwd is None or fwd.phase != EXTRACT:
@@ -160,6 +168,7 @@ class RunState:
             self._track(name, branch.store)
         branch.store.put(layer, k, v)
         branch.layers.add(layer)
+        self._tell("progress")  # a capture step can take seconds: the readout shows the stores filling
 
     def _unique_name(self, label: str) -> str:
         """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
@@ -213,11 +222,15 @@ class RunState:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
     def step(self) -> None:
+        self._tell("step")
+
+    def _tell(self, what: str) -> None:
+        """Call the readout's `step` / `progress` / `forward_done`; it must never break sampling."""
         if self.telemetry is not None:
             try:
-                self.telemetry.step()
+                getattr(self.telemetry, what)()
             except Exception:
-                log.debug("telemetry.step failed", exc_info=True)
+                log.debug("telemetry.%s failed", what, exc_info=True)
 
     def stats(self) -> dict:
         return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}

@@ -2,10 +2,18 @@
 
 Lifecycle, driven by the model patches (never by a thread of our own):
 
-    TELEMETRY.run_started(run_id)     # one push ("start"), tracked stores cleared
-    TELEMETRY.track(name, store)      # a KVStore serving this run (held weakly)
-    TELEMETRY.step()                  # once per diffusion-model forward; pushes at most 4 times a second
-    TELEMETRY.run_finished(run_id)    # one final push ("final"), then idle: nothing is sent until next start
+    TELEMETRY.run_started(run_id, node)  # one push ("start"), tracked stores cleared; node: the Settings node's id
+    TELEMETRY.track(name, store)      # a KVStore serving this run (held weakly); opens a "capture" mark
+    TELEMETRY.step()                  # before each diffusion-model forward
+    TELEMETRY.progress()              # inside a forward, e.g. after each captured layer
+    TELEMETRY.forward_done()          # after each forward: refreshes every store's figures, closes the capture
+    TELEMETRY.run_finished(run_id)    # one final push ("final", with a "release" mark), then idle
+
+`step`, `progress` and `forward_done` push at most 4 times a second, all together: a capture step that takes
+seconds shows its stores filling, and a push after each forward shows what that forward moved. The final
+push is never throttled and counts every transfer (the stores' figures are refreshed after every forward,
+so a store freed before the end still reports its last forward). `TELEMETRY.for_node(id)` is a view of the
+hub that tags the runs it starts with a node id, so the Settings node's readout can show its own run.
 
 `snapshot()` returns the latest payload (what `GET /kv_offload/stats` serves) and changes no state.
 The sender (ComfyUI's `PromptServer.instance.send_sync`, thread-safe) and the clock are injected, so the hub
@@ -13,10 +21,13 @@ runs in tests without ComfyUI; this module never imports ComfyUI.
 
 Payload (version `v` = 1; every unknown value is `None`, never -1):
     v, event ("start" | "step" | "final" | "idle"), time (unix seconds),
-    run {id, active, forwards, elapsed_s},
+    run {id, node, active, forwards, elapsed_s, marks}: node is the id of the Settings node whose MODEL runs
+        (None when unknown); marks: [{what: "capture" | "release", start_s, end_s}] in run seconds,
+        "capture" from the first store of a forward to the end of that forward, "release" when the stores
+        were freed (end of sampling, before the VAE decode),
     memory: `offload_core.memory_snapshot()` as is (it says which figures are this process, which the device),
-    stores: one entry per tracked store: its `stats()` without any path (no `file_dir`; `on_disk` instead)
-            plus bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
+    stores: one entry per tracked store, cond before uncond: its `stats()` without any path (no `file_dir`;
+            `on_disk` instead) plus bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
     totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s.
 """
 
@@ -107,6 +118,13 @@ def totals(stores: list, forwards: int) -> dict:
     }
 
 
+def store_order(name: str) -> tuple:
+    """Sort key of store names: "cond", "cond 2", ..., then "uncond", "uncond 2", ..., then any other."""
+    base, _, number = str(name).partition(" ")
+    rank = {"cond": 0, "uncond": 1}.get(base, 2)
+    return rank, base, int(number) if number.isdigit() else 1, str(name)
+
+
 class TelemetryHub:
     """Collects per-run KV store stats and memory figures; pushes them only while a run is active.
 
@@ -131,6 +149,9 @@ class TelemetryHub:
         self._last_stats: dict = {}   # name -> last stats() seen, kept when the store object is gone
         self._latest: Optional[dict] = None
         self._device = None           # the host's compute device; None: the engine's default
+        self._node: Optional[str] = None
+        self._marks: list = []        # [{what, start_s, end_s}] of the current run
+        self._capture: Optional[dict] = None  # the open capture mark
 
     def set_device(self, device) -> None:
         """Report memory of `device` (e.g. ComfyUI's torch device) when no tracked store names one."""
@@ -144,13 +165,20 @@ class TelemetryHub:
     def active(self) -> bool:
         return self._run_id is not None
 
-    def run_started(self, run_id: str) -> None:
+    def for_node(self, node_id: Any) -> "NodeTelemetry":
+        """This hub, with the runs it starts tagged as runs of node `node_id` (the Settings node's id)."""
+        return NodeTelemetry(self, node_id)
+
+    def run_started(self, run_id: str, node: Any = None) -> None:
         with self._lock:
             self._run_id = str(run_id)
+            self._node = None if node is None else str(node)
             self._started_at = self._clock()
             self._forwards = 0
             self._stores.clear()
             self._last_stats.clear()
+            self._marks = []
+            self._capture = None
             self._push(self._build("start"))
 
     def track(self, name: str, store: Any) -> None:
@@ -163,32 +191,55 @@ class TelemetryHub:
             except TypeError:
                 ref = lambda s=store: s  # noqa: E731 - dropped at run end like the weak ones
             self._stores[str(name)] = ref
+            if self._capture is None:  # a new store is being filled: this forward captures
+                self._capture = {"what": "capture", "start_s": self._elapsed(), "end_s": None}
+                self._marks.append(self._capture)
 
     def step(self) -> None:
-        """Count one forward; push a snapshot when at least `min_interval_s` passed since the last push."""
+        """Count one forward (called before it runs); push when the rate limit allows."""
         with self._lock:
             if self._run_id is None:
                 return
             self._forwards += 1
-            now = self._clock()
-            if self._last_push is not None and now - self._last_push < self._min_interval_s:
-                # Refresh the stores' figures anyway: they may be closed and gone before the final push.
-                for name, ref in self._stores.items():
-                    self._store_stats(name, ref)
+            self._push_or_refresh()
+
+    def progress(self) -> None:
+        """Push mid-forward when the rate limit allows (a capture step fills its stores for seconds).
+
+        Cheap when throttled: one clock read, no store is asked for its figures."""
+        with self._lock:
+            if self._run_id is not None and self._may_push():
+                self._push(self._build("step"))
+
+    def forward_done(self) -> None:
+        """After a forward: close an open capture mark; push what the forward moved when the rate limit allows."""
+        with self._lock:
+            if self._run_id is None:
                 return
-            self._push(self._build("step"))
+            if self._capture is not None:
+                self._capture["end_s"] = self._elapsed()
+                self._capture = None
+            self._push_or_refresh()
 
     def run_finished(self, run_id: Optional[str] = None) -> None:
         """Push one final snapshot of the run and go idle. A finish for another run id is ignored."""
         with self._lock:
             if self._run_id is None or (run_id is not None and str(run_id) != self._run_id):
                 return
+            if self._capture is not None:  # interrupted mid-capture
+                self._capture["end_s"] = self._elapsed()
+                self._capture = None
+            if self._stores:
+                at = self._elapsed()
+                self._marks.append({"what": "release", "start_s": at, "end_s": at})
             self._push(self._build("final"))
             self._run_id = None
+            self._node = None
             self._started_at = None
             self._stores.clear()
             self._last_stats.clear()
             self._last_push = None
+            self._marks = []
 
     def snapshot(self) -> dict:
         """The latest pushed payload; before any run, a fresh idle one (not stored, nothing sent)."""
@@ -199,9 +250,23 @@ class TelemetryHub:
 
     # -- internals (call with the lock held) --
 
+    def _elapsed(self) -> Optional[float]:
+        return self._clock() - self._started_at if self._started_at is not None else None
+
+    def _may_push(self) -> bool:
+        return self._last_push is None or self._clock() - self._last_push >= self._min_interval_s
+
+    def _push_or_refresh(self) -> None:
+        if self._may_push():
+            self._push(self._build("step"))
+            return
+        # Refresh the stores' figures anyway: they may be closed and gone before the final push.
+        for name, ref in self._stores.items():
+            self._store_stats(name, ref)
+
     def _collect_stores(self) -> list:
-        return [derive_store(stats) for stats in (self._store_stats(n, r) for n, r in self._stores.items())
-                if stats is not None]
+        named = sorted(self._stores.items(), key=lambda item: store_order(item[0]))
+        return [derive_store(stats) for stats in (self._store_stats(n, r) for n, r in named) if stats is not None]
 
     def _store_stats(self, name: str, ref) -> Optional[dict]:
         """Fresh stats of a live store; for a store already gone, its last stats marked closed."""
@@ -232,13 +297,13 @@ class TelemetryHub:
         except Exception:
             log.debug("memory snapshot failed", exc_info=True)
             memory = None
-        elapsed = self._clock() - self._started_at if self._started_at is not None else None
         return {
             "v": PAYLOAD_VERSION,
             "event": event,
             "time": time.time(),
-            "run": {"id": self._run_id, "active": event in ("start", "step"),
-                    "forwards": self._forwards if self._run_id else None, "elapsed_s": elapsed},
+            "run": {"id": self._run_id, "node": self._node, "active": event in ("start", "step"),
+                    "forwards": self._forwards if self._run_id else None, "elapsed_s": self._elapsed(),
+                    "marks": [dict(m) for m in self._marks]},
             "memory": memory,
             "stores": stores,
             "totals": totals(stores, self._forwards),
@@ -258,6 +323,22 @@ class TelemetryHub:
             send(EVENT, payload)
         except Exception:  # the readout must never break sampling
             log.warning("could not push %s", EVENT, exc_info=True)
+
+
+class NodeTelemetry:
+    """The hub as one Settings node sees it: the runs it starts carry that node's id; the rest is the hub's."""
+
+    def __init__(self, hub: TelemetryHub, node_id: Any) -> None:
+        self.hub = hub
+        self.node_id = None if node_id is None else str(node_id)
+
+    def run_started(self, run_id: str) -> None:
+        self.hub.run_started(run_id, node=self.node_id)
+
+    def __getattr__(self, name: str) -> Any:  # track, step, progress, forward_done, run_finished, ...
+        if name.startswith("__") or name == "hub":  # copy / pickle probe these before __init__ ran
+            raise AttributeError(name)
+        return getattr(self.hub, name)
 
 
 TELEMETRY = TelemetryHub()

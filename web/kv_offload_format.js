@@ -1,77 +1,20 @@
-// Pure formatting for the KV Offload memory readout: units, percentages, bar widths and the rows the widget
-// shows, computed from one `kv_offload.memory` payload (version 1). No DOM, no ComfyUI: `node --test` imports it.
+// Pure formatting for the KV Offload memory readout: the rows the widget shows, computed from one
+// `kv_offload.memory` payload (version 1). No DOM, no ComfyUI: `node --test` imports it.
 //
 // Every figure carries its scope, because a readout that mixes them lies: "process" (this ComfyUI process),
 // "device" (the whole GPU, every process on it), "system" (the whole machine). Unknown values arrive as null
-// and are shown as an em dash, never as 0.
+// and are shown as an em dash, never as 0. Units live in kv_offload_units.js, bars and the timeline in
+// kv_offload_bars.js; this module turns them into rows.
+
+import { UNKNOWN, formatBytes, formatDuration, formatRate, isKnown } from "./kv_offload_units.js";
+import { memoryBars } from "./kv_offload_bars.js";
+
+export * from "./kv_offload_units.js";
 
 export const PAYLOAD_VERSION = 1;
-export const UNKNOWN = "\u2014";
 
-const UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
-
-export function isKnown(x) {
-  return typeof x === "number" && Number.isFinite(x);
-}
-
-// 1536 -> "1.50 KiB": three significant digits, binary units (what allocators and OS tools count in).
-export function formatBytes(n) {
-  if (!isKnown(n)) return UNKNOWN;
-  const sign = n < 0 ? "-" : "";
-  let v = Math.abs(n);
-  let i = 0;
-  while (v >= 1024 && i < UNITS.length - 1) {
-    v /= 1024;
-    i += 1;
-  }
-  if (i === 0) return `${sign}${Math.round(v)} B`;
-  const digits = v >= 100 ? 0 : v >= 10 ? 1 : 2;
-  // 1023.999 KiB would print as "1024 KiB": carry into the next unit instead.
-  if (Number(v.toFixed(digits)) >= 1024 && i < UNITS.length - 1) return `${sign}1.00 ${UNITS[i + 1]}`;
-  return `${sign}${v.toFixed(digits)} ${UNITS[i]}`;
-}
-
-export function formatRate(bytesPerSecond) {
-  return isKnown(bytesPerSecond) ? `${formatBytes(bytesPerSecond)}/s` : UNKNOWN;
-}
-
-// Seconds -> "850 µs", "12.3 ms", "1.20 s".
-export function formatDuration(s) {
-  if (!isKnown(s)) return UNKNOWN;
-  const a = Math.abs(s);
-  if (a === 0) return "0 ms";
-  if (a < 1e-3) return `${Math.round(s * 1e6)} \u00b5s`;
-  if (a < 1) return `${(s * 1e3).toFixed(a < 0.01 ? 2 : a < 0.1 ? 1 : 0)} ms`;
-  if (a < 60) return `${s.toFixed(2)} s`;
-  return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
-}
-
-// part / whole as a whole percentage; over 100 % is shown as is (an honest overshoot, not a clamp).
-export function formatPercent(part, whole) {
-  if (!isKnown(part) || !isKnown(whole) || whole <= 0) return UNKNOWN;
-  return `${Math.round((100 * part) / whole)}%`;
-}
-
-// Width of a bar in percent of its track: clamped to [0, 100], one decimal; null when unknown.
-export function barWidth(part, whole) {
-  if (!isKnown(part) || !isKnown(whole) || whole <= 0) return null;
-  const pct = (100 * part) / whole;
-  return Math.round(Math.min(100, Math.max(0, pct)) * 10) / 10;
-}
-
-// "3.20 GiB of 24.0 GiB (13%)"
-export function formatOf(part, whole) {
-  if (!isKnown(part)) return UNKNOWN;
-  if (!isKnown(whole) || whole <= 0) return formatBytes(part);
-  return `${formatBytes(part)} of ${formatBytes(whole)} (${formatPercent(part, whole)})`;
-}
-
-function sub(a, b) {
-  return isKnown(a) && isKnown(b) ? a - b : null;
-}
-
-function row(label, value, scope, bar = null) {
-  return { label, value, scope, bar };
+function row(label, value, scope, extra = {}) {
+  return { label, value, scope, ...extra };
 }
 
 export function statusLine(payload) {
@@ -86,44 +29,24 @@ export function statusLine(payload) {
   return (run.active ? "running" : "last run finished") + tail;
 }
 
-export function deviceRows(memory) {
-  const p = memory?.process || {};
+// What the bars cannot say about the device: that there is no separate device memory, or that it is RAM.
+export function deviceNotes(memory) {
   const d = memory?.device || {};
   const rows = [];
-  if (d.type === "cuda") {
-    rows.push(row("VRAM allocated", formatOf(p.device_allocated, d.total), "process", barWidth(p.device_allocated, d.total)));
-    rows.push(row("VRAM reserved", formatOf(p.device_reserved, d.total), "process", barWidth(p.device_reserved, d.total)));
-    const used = sub(d.total, d.free);
-    rows.push(row("VRAM in use, all processes", formatOf(used, d.total), "device", barWidth(used, d.total)));
-    rows.push(row("VRAM free", `${formatBytes(d.free)} of ${formatBytes(d.total)}`, "device"));
-  } else if (d.type === "mps") {
-    rows.push(row("MPS allocated", formatOf(p.mps_current_allocated, d.recommended_max), "process",
-      barWidth(p.mps_current_allocated, d.recommended_max)));
-    rows.push(row("MPS driver", formatOf(p.mps_driver_allocated, d.recommended_max), "process",
-      barWidth(p.mps_driver_allocated, d.recommended_max)));
-    rows.push(row("MPS recommended max", formatBytes(d.recommended_max), "device"));
-  } else if (d.type) {
-    rows.push(row("device", `${d.type}: no separate device memory`, "device"));
-  } else {
-    rows.push(row("device", UNKNOWN, "device"));
-  }
+  if (!d.type) rows.push(row("device", UNKNOWN, "device"));
+  else if (d.type !== "cuda" && d.type !== "mps") rows.push(row("device", `${d.type}: no separate device memory`, "device"));
   if (d.integrated === true) rows.push(row("memory", "unified: device and RAM are one pool", "device"));
   return rows;
 }
 
-export function hostRows(memory) {
-  const p = memory?.process || {};
-  const s = memory?.system || {};
-  const rows = [
-    row("RSS", formatOf(p.rss, s.ram_total), "process", barWidth(p.rss, s.ram_total)),
-    row("RAM available", formatOf(s.ram_available, s.ram_total), "system", barWidth(sub(s.ram_total, s.ram_available), s.ram_total)),
-    row("swap used", isKnown(s.swap_total) && s.swap_total === 0 ? "no swap" : formatOf(s.swap_used, s.swap_total),
-      "system", barWidth(s.swap_used, s.swap_total)),
-  ];
-  if (isKnown(s.cgroup_limit)) {
-    rows.push(row("cgroup", formatOf(s.cgroup_usage, s.cgroup_limit), "system", barWidth(s.cgroup_usage, s.cgroup_limit)));
-  }
-  return rows;
+// The rows of one bar: a header row (title, scope, summary, the stacked segments), then one legend row per
+// scope whose items carry the key of their colour.
+export function barRows(bar) {
+  const track = bar.total > 0 ? { bar: bar.id, segments: bar.segments, released: !!bar.released } : {};  // no swap: no track
+  const head = row(bar.title, bar.value, bar.scope, track);
+  const legend = bar.legend.filter((l) => l.items.length).map((l) =>
+    row("", l.items.map((it) => it.text).join(" \u00b7 "), l.scope, { swatches: l.items }));
+  return [head, ...legend];
 }
 
 const PLACES = [["device", "device"], ["host_pinned", "pinned RAM"], ["host_pageable", "RAM"], ["file", "file"]];
@@ -159,42 +82,98 @@ export function storeRows(store) {
   return rows;
 }
 
-// The whole readout as sections of rows: {title, rows: [{label, value, scope, bar}]}.
+// The whole readout as sections of rows: {title, rows: [{label, value, scope, ...}]}. The widget draws the
+// timeline after the "memory" section (it needs the run's history, not one payload).
 export function buildReadout(payload) {
   const sections = [{ title: "status", rows: [row("run", statusLine(payload), null)] }];
   if (!payload || payload.v !== PAYLOAD_VERSION) return sections;
-  sections.push({ title: "device", rows: deviceRows(payload.memory) });
-  sections.push({ title: "host", rows: hostRows(payload.memory) });
-  const stores = Array.isArray(payload.stores) ? payload.stores : [];
-  if (!stores.length) sections.push({ title: "KV cache", rows: [row("stores", "none in this run", null)] });
-  for (const s of stores) sections.push({ title: `KV ${s.name || "store"}`, rows: storeRows(s) });
+  const memory = [...deviceNotes(payload.memory), ...memoryBars(payload).flatMap(barRows)];
+  sections.push({ title: "memory", rows: memory });
+  for (const s of Array.isArray(payload.stores) ? payload.stores : []) {
+    sections.push({ title: `KV ${s.name || "store"}`, rows: storeRows(s) });
+  }
   return sections;
 }
 
-// A few short lines for the KV Offload Settings node.
-export function buildCompact(payload) {
-  const lines = [statusLine(payload)];
-  if (!payload || payload.v !== PAYLOAD_VERSION) return lines;
-  const m = payload.memory || {};
+// --- compact readout (the Settings node): two lines, each the longest variant that fits -----------------------
+
+const SHORT_PLACES = { device: "device", host_pinned: "pinned", host_pageable: "RAM", file: "file" };
+
+function firstFitting(variants, fits) {
+  return variants.find((v) => fits(v)) ?? variants[variants.length - 1];
+}
+
+function statusVariants(payload, own) {
+  if (!own) return ["no run of this node yet", "no run yet"];
+  const run = payload.run || {};
+  if (payload.event === "idle") return ["idle: no run since start-up", "idle"];
+  const state = run.active ? "running" : "finished";
+  const variants = [statusLine(payload)];
+  if (isKnown(run.forwards)) variants.push(`${state} \u00b7 ${run.forwards} fwd`);
+  variants.push(state);
+  return variants;
+}
+
+function memoryVariants(m) {
   const p = m.process || {};
   const d = m.device || {};
-  const s = m.system || {};
-  if (d.type === "cuda") lines.push(`VRAM ${formatBytes(p.device_allocated)} alloc \u00b7 ${formatBytes(d.free)} free of ${formatBytes(d.total)}`);
-  if (d.type === "mps") lines.push(`MPS ${formatBytes(p.mps_current_allocated)} \u00b7 max ${formatBytes(d.recommended_max)}`);
-  lines.push(`RAM RSS ${formatBytes(p.rss)} \u00b7 ${formatBytes(s.ram_available)} free \u00b7 swap ${formatBytes(s.swap_used)}`);
-  for (const st of Array.isArray(payload.stores) ? payload.stores : []) {
-    const held = st.closed ? `closed, held ${formatPlaces(st.bytes_while_open)}` : formatPlaces(st.bytes);
-    lines.push(`${st.name || "KV"}: ${tierLine(st)} \u00b7 ${held} \u00b7 wait ${formatDuration(st.exposed_wait_per_pass_s)}/step`);
+  if (d.type === "cuda") return [`VRAM ${formatBytes(p.device_allocated)} of ${formatBytes(d.total)}`, `VRAM ${formatBytes(p.device_allocated)}`];
+  if (d.type === "mps") return [`MPS ${formatBytes(p.mps_current_allocated)} of ${formatBytes(d.recommended_max)}`, `MPS ${formatBytes(p.mps_current_allocated)}`];
+  return [`RSS ${formatBytes(p.rss)} of ${formatBytes(m.system?.ram_total)}`, `RSS ${formatBytes(p.rss)}`];
+}
+
+function kvVariants(payload, own) {
+  const stores = own && Array.isArray(payload.stores) ? payload.stores : [];
+  if (!own) return ["KV: \u2014"];
+  if (!stores.length) return [payload.run?.active ? "KV: no store yet" : "KV: no cache in this run", "KV: none"];
+  const released = stores.every((s) => s.closed);
+  const bytes = {};
+  for (const s of stores) {
+    const b = (released ? s.bytes_while_open : s.bytes) || {};
+    for (const k of Object.keys(SHORT_PLACES)) if (isKnown(b[k])) bytes[k] = (bytes[k] || 0) + b[k];
   }
-  return lines;
+  const total = Object.values(bytes).reduce((a, v) => a + v, 0);
+  const where = Object.keys(SHORT_PLACES).filter((k) => bytes[k] > 0).map((k) => `${SHORT_PLACES[k]} ${formatBytes(bytes[k])}`).join(" \u00b7 ");
+  const waits = stores.map((s) => s.exposed_wait_per_pass_s).filter(isKnown);
+  const wait = waits.length ? `wait ${formatDuration(waits.reduce((a, v) => a + v, 0))}/step` : null;
+  const lead = released ? `KV released, held ${formatBytes(total)}` : `KV ${formatBytes(total)}`;
+  const variants = [];
+  if (where && wait) variants.push(`${lead}: ${where} \u00b7 ${wait}`);
+  if (where) variants.push(`${lead}: ${where}`);
+  if (wait) variants.push(`${lead} \u00b7 ${wait}`);
+  variants.push(released ? `KV held ${formatBytes(total)}` : lead);
+  return variants;
+}
+
+// Two lines for the KV Offload Settings node: the run and its memory, then its KV cache. `fits(text)` says
+// whether a line fits the node's width (the widget measures; tests count characters): each line is the
+// longest variant that fits, else the shortest one (which then wraps). `own` false: the payload is another
+// node's run, so only the memory is shown.
+export function buildCompact(payload, { fits = () => true, own = true } = {}) {
+  if (!payload || typeof payload !== "object" || payload.v !== PAYLOAD_VERSION) return [statusLine(payload), ""];
+  const status = statusVariants(payload, own);
+  const memory = memoryVariants(payload.memory || {});
+  const first = [];
+  for (const st of status) for (const mem of memory) first.push(`${st} \u00b7 ${mem}`);
+  first.push(...status);
+  first.sort((a, b) => b.length - a.length);
+  return [firstFitting(first, fits), firstFitting(kvVariants(payload, own), fits)];
+}
+
+// Whether a payload is the run of the Settings node `nodeId` (a subgraph node's run id ends in ":<id>").
+export function isRunOf(payload, nodeId) {
+  const node = payload?.run?.node;
+  if (node === null || node === undefined || nodeId === null || nodeId === undefined) return false;
+  const id = String(nodeId);
+  return node === id || node.endsWith(`:${id}`);
 }
 
 export const SCOPE_NAMES = { process: "this process", device: "whole device", system: "whole system" };
 
-// "VRAM free [whole device]: " -- the text before a row's value.
+// "RSS [this process]: " -- the text before a row's value; "[whole device] " for a legend row (no label).
 export function rowLead(r) {
-  if (!r.label) return "";
   const scope = SCOPE_NAMES[r.scope];
+  if (!r.label) return scope ? `[${scope}] ` : "";
   return `${r.label}${scope ? ` [${scope}]` : ""}: `;
 }
 

@@ -26,7 +26,7 @@ def test_mode_off_still_brackets_the_run_for_the_readout(tmp_path):
     dm, patched = patched_tiny("off", tmp_path, telemetry=rec)
     noise, refs, txts = inputs(0)
     out = sample(dm, patched.options(), noise, refs, txts)
-    assert rec.calls == ["start"] + ["step"] * 4 + ["final"] and rec.stores == []
+    assert rec.calls == ["start"] + ["step", "done"] * 4 + ["final"] and rec.stores == []
     assert torch.equal(out, run_mode("off", tmp_path))
 
 

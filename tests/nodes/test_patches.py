@@ -30,6 +30,12 @@ class Recorder:
     def step(self):
         self.calls.append("step")
 
+    def progress(self):
+        pass
+
+    def forward_done(self):
+        self.calls.append("done")
+
     def run_finished(self, run_id):
         self.calls.append("final")
 

@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 
 import {
   UNKNOWN, barWidth, buildCompact, buildReadout, formatBytes, formatDuration, formatOf, formatPercent,
-  formatPlaces, formatRate, readoutText, statusLine, storeRows,
+  formatPlaces, formatRate, isRunOf, readoutText, rowLead, statusLine, storeRows,
 } from "../../web/kv_offload_format.js";
 
 const GiB = 2 ** 30;
@@ -67,7 +67,7 @@ function cudaPayload(overrides = {}) {
     },
     stores: [{
       name: "cond", requested: "ram_async", tier: "ram_async", reason: "requested", layers: 32,
-      bytes: { device: 0, host_pinned: 2 * GiB, host_pageable: 0, file: 0 },
+      bytes: { device: 128 * MiB, host_pinned: 2 * GiB, host_pageable: 0, file: 0 },
       device_bytes: 128 * MiB, peak_device_bytes: 192 * MiB, resident_layers: 2,
       transfers: { count: 64, bytes: 4 * GiB, seconds: 0.2 }, exposed_wait_s: 0.012,
       bandwidth_bytes_per_s: 20 * GiB, exposed_wait_per_pass_s: 0.006, closed: false, pinned_fallback: false,
@@ -82,24 +82,25 @@ function rowsOf(sections) {
 
 test("the CUDA readout separates this process from the whole device", () => {
   const rows = rowsOf(buildReadout(cudaPayload()));
-  assert.equal(rows["device/VRAM allocated"].scope, "process");
-  assert.equal(rows["device/VRAM allocated"].value, "10.0 GiB of 24.0 GiB (42%)");
-  assert.equal(rows["device/VRAM reserved"].value, "12.0 GiB of 24.0 GiB (50%)");
-  assert.equal(rows["device/VRAM in use, all processes"].scope, "device");
-  assert.equal(rows["device/VRAM in use, all processes"].value, "16.0 GiB of 24.0 GiB (67%)");
-  assert.equal(rows["device/VRAM in use, all processes"].bar, 66.7);
-  assert.equal(rows["host/RSS"].scope, "process");
-  assert.equal(rows["host/RAM available"].scope, "system");
-  assert.equal(rows["host/RAM available"].bar, 25, "the RAM bar shows the used share");
-  assert.equal(rows["host/swap used"].value, "no swap");
-  assert.equal(rows["host/cgroup"], undefined, "no cgroup row without a limit");
+  assert.equal(rows["memory/VRAM"].scope, "device");
+  assert.equal(rows["memory/VRAM"].value, "16.0 GiB used of 24.0 GiB (67%)");
+  assert.equal(rows["memory/RAM"].scope, "system");
+  assert.equal(rows["memory/RAM"].value, "16.0 GiB used of 64.0 GiB (25%)");
+  assert.equal(rows["memory/swap"].value, "no swap");
+  assert.equal(rows["memory/swap"].segments, undefined, "no swap: no bar to draw");
+  assert.equal(rows["memory/cgroup"], undefined, "no cgroup row without a limit");
+  const text = readoutText(buildReadout(cudaPayload())).split("\n");
+  assert.ok(text.includes("[this process] KV on device 128 MiB \u00b7 allocated 10.0 GiB \u00b7 reserved 12.0 GiB"), text);
+  assert.ok(text.includes("[whole device] others 4.00 GiB \u00b7 free 8.00 GiB"));
+  assert.ok(text.includes("[this process] KV pinned 2.00 GiB \u00b7 RSS 6.00 GiB"));
+  assert.ok(text.includes("[whole system] others 10.0 GiB \u00b7 available 48.0 GiB"));
 });
 
 test("a store row shows tier, holdings, device residency, bandwidth and exposed wait per step", () => {
   const rows = rowsOf(buildReadout(cudaPayload()));
   assert.equal(rows["KV cond/tier"].value, "ram_async");
   assert.equal(rows["KV cond/why"], undefined, "no reason line for a tier that is simply the one asked for");
-  assert.equal(rows["KV cond/holds"].value, "pinned RAM 2.00 GiB");
+  assert.equal(rows["KV cond/holds"].value, "device 128 MiB \u00b7 pinned RAM 2.00 GiB");
   assert.equal(rows["KV cond/on device"].value, "128 MiB (peak 192 MiB) \u00b7 2/32 layers");
   assert.equal(rows["KV cond/transfers"].value, "64 loads, 4.00 GiB \u00b7 20.0 GiB/s");
   assert.equal(rows["KV cond/exposed wait"].value, "6.00 ms/step \u00b7 12.0 ms total");
@@ -122,19 +123,27 @@ test("a closed store shows what it held, not an empty store", () => {
   assert.equal(holds.value, "closed; held file 3.00 GiB");
 });
 
-test("Apple MPS shows current / driver / recommended max and swap", () => {
+test("Apple MPS shows current / driver of the recommended max, unified memory and swap", () => {
   const payload = cudaPayload({ memory: {
     v: 1, process: { rss: GiB, mps_current_allocated: 4 * GiB, mps_driver_allocated: 6 * GiB },
     device: { type: "mps", name: "Apple MPS", recommended_max: 16 * GiB, integrated: true },
     system: { ram_total: 32 * GiB, ram_available: 2 * GiB, swap_used: 3 * GiB, swap_total: 8 * GiB },
   } });
   const rows = rowsOf(buildReadout(payload));
-  assert.equal(rows["device/MPS allocated"].value, "4.00 GiB of 16.0 GiB (25%)");
-  assert.equal(rows["device/MPS driver"].value, "6.00 GiB of 16.0 GiB (38%)");
-  assert.equal(rows["device/MPS recommended max"].scope, "device");
-  assert.match(rows["device/memory"].value, /unified/);
-  assert.equal(rows["host/swap used"].value, "3.00 GiB of 8.00 GiB (38%)");
-  assert.equal(rows["device/VRAM allocated"], undefined);
+  assert.equal(rows["memory/MPS"].value, "6.00 GiB of 16.0 GiB recommended max");
+  assert.equal(rows["memory/MPS"].scope, "process");
+  assert.match(rows["memory/memory"].value, /unified/);
+  assert.equal(rows["memory/swap"].value, "3.00 GiB of 8.00 GiB (38%)");
+  assert.equal(rows["memory/VRAM"], undefined);
+  assert.match(readoutText(buildReadout(payload)), /\[this process\] KV on device 128 MiB \u00b7 allocated 4\.00 GiB \u00b7 driver 6\.00 GiB/);
+});
+
+test("a CPU device says it has no memory of its own", () => {
+  const payload = cudaPayload();
+  payload.memory.device = { type: "cpu", name: null, total: null, free: null, integrated: null };
+  const rows = rowsOf(buildReadout(payload));
+  assert.equal(rows["memory/device"].value, "cpu: no separate device memory");
+  assert.equal(rows["memory/VRAM"], undefined);
 });
 
 test("status line follows the run", () => {
@@ -151,14 +160,58 @@ test("readout text has one line per row, each naming its scope", () => {
   const sections = buildReadout(cudaPayload());
   const lines = readoutText(sections).split("\n");
   assert.equal(lines.length, sections.reduce((n, s) => n + s.rows.length, 0));
-  assert.ok(lines.includes("VRAM free [whole device]: 8.00 GiB of 24.0 GiB"));
-  assert.ok(lines.includes("RSS [this process]: 6.00 GiB of 64.0 GiB (9%)"));
+  assert.ok(lines.includes("VRAM [whole device]: 16.0 GiB used of 24.0 GiB (67%)"));
+  assert.ok(lines.includes("KV cache [this process]: 2.13 GiB in 1 store"));
+  assert.equal(lines[0], "run: running \u00b7 7 forwards \u00b7 1.50 s");
 });
 
-test("compact readout: status, device, RAM and one line per store", () => {
-  const lines = buildCompact(cudaPayload());
-  assert.equal(lines.length, 4);
-  assert.equal(lines[1], "VRAM 10.0 GiB alloc \u00b7 8.00 GiB free of 24.0 GiB");
-  assert.equal(lines[2], "RAM RSS 6.00 GiB \u00b7 48.0 GiB free \u00b7 swap 0 B");
-  assert.equal(lines[3], "cond: ram_async \u00b7 pinned RAM 2.00 GiB \u00b7 wait 6.00 ms/step");
+test("stores are shown in the order the payload lists them (cond before uncond)", () => {
+  const [cond] = cudaPayload().stores;
+  const titles = buildReadout(cudaPayload({ stores: [cond, { ...cond, name: "uncond" }] })).map((s) => s.title);
+  assert.deepEqual(titles.slice(-2), ["KV cond", "KV uncond"]);
+});
+
+test("compact readout: two lines, each the longest variant that fits", () => {
+  const wide = buildCompact(cudaPayload());
+  assert.deepEqual(wide, [
+    "running \u00b7 7 forwards \u00b7 1.50 s \u00b7 VRAM 10.0 GiB of 24.0 GiB",
+    "KV 2.13 GiB: device 128 MiB \u00b7 pinned 2.00 GiB \u00b7 wait 6.00 ms/step",
+  ]);
+  for (const n of [60, 40, 30, 20]) {
+    const lines = buildCompact(cudaPayload(), { fits: (t) => t.length <= n });
+    assert.equal(lines.length, 2);
+    for (const line of lines) assert.ok(line.length <= n, `${n}: ${line}`);
+  }
+  assert.deepEqual(buildCompact(cudaPayload(), { fits: (t) => t.length <= 36 }), ["running \u00b7 VRAM 10.0 GiB of 24.0 GiB", "KV 2.13 GiB \u00b7 wait 6.00 ms/step"]);
+  const tiny = buildCompact(cudaPayload(), { fits: () => false });
+  assert.deepEqual(tiny, ["running", "KV 2.13 GiB"], "nothing fits: the shortest, which then wraps");
+});
+
+test("compact readout after the run, of another node's run, and before any", () => {
+  const [store] = cudaPayload().stores;
+  const closed = { ...store, closed: true, bytes: { device: 0, host_pinned: 0, host_pageable: 0, file: 0 },
+    bytes_while_open: { device: 0, host_pinned: 0, host_pageable: 0, file: 3 * GiB } };
+  const final = cudaPayload({ event: "final", run: { id: "r", active: false, forwards: 9, elapsed_s: 2 }, stores: [closed] });
+  assert.equal(buildCompact(final)[1], "KV released, held 3.00 GiB: file 3.00 GiB \u00b7 wait 6.00 ms/step");
+  const other = buildCompact(final, { own: false });
+  assert.match(other[0], /^no run of this node yet/);
+  assert.equal(other[1], "KV: \u2014", "another node's cache is not shown as this node's");
+  assert.deepEqual(buildCompact(null), ["no data yet", ""]);
+  assert.equal(buildCompact(cudaPayload({ stores: [] }))[1], "KV: no store yet");
+});
+
+test("a payload belongs to the Settings node that ran it", () => {
+  const run = (node) => ({ run: { node } });
+  assert.equal(isRunOf(run("12"), 12), true);
+  assert.equal(isRunOf(run("5:12"), 12), true, "a node inside a subgraph");
+  assert.equal(isRunOf(run("112"), 12), false);
+  assert.equal(isRunOf(run(null), 12), false);
+  assert.equal(isRunOf(run("kvo"), "kvo"), true);
+});
+
+test("a row's lead names its scope; a legend row has only the scope", () => {
+  assert.equal(rowLead({ label: "RAM", scope: "system" }), "RAM [whole system]: ");
+  assert.equal(rowLead({ label: "", scope: "process" }), "[this process] ");
+  assert.equal(rowLead({ label: "run", scope: null }), "run: ");
+  assert.equal(rowLead({ label: "", scope: null }), "");
 });
