@@ -59,6 +59,37 @@ def test_close_from_another_thread_ends_the_store_for_its_consumer(tmp_path):
     assert store._allocator.pageable_bytes == 0
 
 
+def test_close_from_another_thread_waits_for_the_get_in_progress():
+    layers = make_layers(range(3), torch.float32, seed=26)
+    store = KVStore(OffloadConfig(mode="ram_sync"), "cpu")
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    inside, go_on = threading.Event(), threading.Event()
+    load = store._tier.load
+
+    def slow_load(*args):  # the consumer is in the middle of a get
+        inside.set()
+        assert go_on.wait(60)
+        return load(*args)
+
+    store._tier.load = slow_load
+    closer = threading.Thread(target=store.close, name="closer")
+
+    def close_meanwhile():
+        assert inside.wait(60)
+        closer.start()
+        closer.join(timeout=0.5)  # long enough for an unguarded close to free what the get is about to read
+        go_on.set()
+
+    helper = threading.Thread(target=close_meanwhile)
+    helper.start()
+    k, v = store.get(1)  # served whole: close waits for it
+    assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
+    helper.join(timeout=60)
+    closer.join(timeout=60)
+    assert store.closed and store._allocator.pageable_bytes == 0
+
+
 @pytest.mark.parametrize("mode", TIERS)
 def test_stats_from_a_monitoring_thread_during_puts_and_gets(mode, tmp_path):
     layers = make_layers(range(60), torch.float16, seed=22, shape=(1, 1, 4, 8))
