@@ -59,6 +59,37 @@ def test_close_from_another_thread_ends_the_store_for_its_consumer(tmp_path):
     assert store._allocator.pageable_bytes == 0
 
 
+def test_close_from_another_thread_waits_for_the_get_in_progress():
+    layers = make_layers(range(3), torch.float32, seed=26)
+    store = KVStore(OffloadConfig(mode="ram_sync"), "cpu")
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    inside, go_on = threading.Event(), threading.Event()
+    load = store._tier.load
+
+    def slow_load(*args):  # the consumer is in the middle of a get
+        inside.set()
+        assert go_on.wait(60)
+        return load(*args)
+
+    store._tier.load = slow_load
+    closer = threading.Thread(target=store.close, name="closer")
+
+    def close_meanwhile():
+        assert inside.wait(60)
+        closer.start()
+        closer.join(timeout=0.5)  # long enough for an unguarded close to free what the get is about to read
+        go_on.set()
+
+    helper = threading.Thread(target=close_meanwhile)
+    helper.start()
+    k, v = store.get(1)  # served whole: close waits for it
+    assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
+    helper.join(timeout=60)
+    closer.join(timeout=60)
+    assert store.closed and store._allocator.pageable_bytes == 0
+
+
 @pytest.mark.parametrize("mode", TIERS)
 def test_stats_from_a_monitoring_thread_during_puts_and_gets(mode, tmp_path):
     layers = make_layers(range(60), torch.float16, seed=22, shape=(1, 1, 4, 8))
@@ -147,8 +178,11 @@ def test_devices_the_store_cannot_serve_are_refused(device):
 def test_settle_drops_an_interrupt_that_belonged_to_the_background_job():
     future = Future()
     future.set_exception(KeyboardInterrupt())
-    Pending(future=future).settle()
-    Pending(future=future).cancel()
+    try:
+        Pending(future=future).settle()
+        Pending(future=future).cancel()
+    except KeyboardInterrupt:
+        pytest.fail("settle()/cancel() re-raised the KeyboardInterrupt of a background job")
     with pytest.raises(KeyboardInterrupt):  # a get still reports it: the consumer asked for that layer
         Pending(future=future).wait(None)
 
@@ -169,7 +203,10 @@ def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
     store.get(0)
     store.get(1)  # prefetches layer 2, whose read is interrupted in the background
     store._slot_of(2).pending._future.exception(timeout=60)
-    store.close()
+    try:
+        store.close()
+    except KeyboardInterrupt:
+        pytest.fail("close() re-raised the KeyboardInterrupt of the I/O thread")
     assert store.closed and list(tmp_path.iterdir()) == []
 
 
