@@ -10,6 +10,8 @@ from typing import Dict, Hashable, Iterable, List
 
 from .plan import ASSUMED_LAYERS, GiB, RESERVE_BYTES, choose_tier, fits, resolve  # noqa: F401 (re-exports)
 
+__all__ = ["ASSUMED_LAYERS", "GiB", "LayerOrder", "RESERVE_BYTES", "choose_tier", "fits", "resolve"]
+
 
 class LayerOrder:
     """Learns the order in which layers are consumed and predicts the next ones.

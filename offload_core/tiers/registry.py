@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
-import torch
-
 from ..devices import Streams
 from ..hostmem import HostAllocator
 from ..plan import DEVICE, FILE, PAGEABLE, PINNED

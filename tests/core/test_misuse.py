@@ -65,14 +65,15 @@ def test_close_from_another_thread_waits_for_the_get_in_progress():
     for key, (k, v) in layers.items():
         store.put(key, k, v)
     inside, go_on = threading.Event(), threading.Event()
-    load = store._tier.load
+    tier = store._tiers["host_pageable"]  # ram_sync keeps every layer in pageable RAM
+    load = tier.load
 
     def slow_load(*args):  # the consumer is in the middle of a get
         inside.set()
         assert go_on.wait(60)
         return load(*args)
 
-    store._tier.load = slow_load
+    tier.load = slow_load
     closer = threading.Thread(target=store.close, name="closer")
 
     def close_meanwhile():

@@ -168,3 +168,20 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
 def test_fp8_on_mps_is_refused_before_anything_is_allocated():
     with pytest.raises(ValueError, match="`storage` 'fp8' needs float8 kernels.*Use storage='int8'"):
         KVStore(OffloadConfig(mode="gpu", storage="fp8"), "mps")
+
+
+def test_a_failing_tier_close_still_closes_the_other_places(tmp_path):
+    config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
+    store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
+    for i, (k, v) in enumerate(make_layers(4)):
+        store.put(i, k, v)
+    assert set(store._tiers) == {"device", "host_pageable", "file"} and len(list(tmp_path.iterdir())) == 1
+
+    def broken():
+        raise KeyboardInterrupt  # e.g. Ctrl-C while one place closes
+
+    store._tiers["host_pageable"].close = broken
+    with pytest.raises(KeyboardInterrupt):
+        store.close()
+    assert list(tmp_path.iterdir()) == []  # the file place was closed anyway
+    assert store._tiers["device"].nbytes() == {"device": 0} and store.closed
