@@ -76,8 +76,9 @@ class OffloadConfig:
             that is deleted on close.
         bypass_page_cache: file tiers only (default True): read with O_DIRECT where the filesystem allows it,
             else drop written and read pages with posix_fadvise, so the file tier really saves RAM.
-        pin_budget: bytes of page-locked host memory this store may pin (async tiers only); default: the host
-            service's budget, else a quarter of the RAM available when the store is created.
+        pin_budget: bytes of page-locked host memory this store may pin (async tiers only), inside the one
+            budget every store of the process shares: the host pinning service's (ComfyUI's), else a quarter of
+            the physical RAM (`hostmem.process_pin_budget()`). Default: no cap of its own.
     """
 
     mode: "Mode | str" = Mode.AUTO

@@ -19,10 +19,10 @@ import torch
 
 from .config import HostServices, Mode, OffloadConfig
 from .devices import DONE, Streams, unified_memory_reason
-from .hostmem import HostAllocator
+from .hostmem import HostAllocator, pin_room
 from .layout import LayerLayout, layout_for, views
 from .policy import ASSUMED_LAYERS, LayerOrder, choose_tier, resolve
-from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
+from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import DeviceTier, FileTier, Pending, RamTier, Tier, TierContext
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,8 @@ class KVStore:
             log.warning("KV offload%s: %s", f" [{self.name}]" if self.name else "", reason)
         depth = self.config.depth if mode.is_async else 0
         cuda = self.device.type == "cuda"
-        budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
-        allocator = HostAllocator(mode.is_async and cuda, budget, self._host.pin, self._host.unpin)
+        # One pinned-memory budget per process (the host's, else the engine's), shared by every store; see hostmem.
+        allocator = HostAllocator(mode.is_async and cuda, self.config.pin_budget, self._host.pin, self._host.unpin)
         self._streams = Streams(self.device, mode.is_async, self._host.stream)
         ctx = TierContext(self.device, self._streams, allocator, depth)
         self._allocator, self.depth = allocator, depth
@@ -169,7 +169,7 @@ class KVStore:
     def _choose(self, need: int) -> Tuple[Mode, str]:
         # On a CPU device the "device" memory is host RAM: keeping the cache there or in a RAM tier is the same.
         unified = self._unified or ("the device is the CPU" if self.device.type == "cpu" else None)
-        budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
+        budget = pin_room(self.config.pin_budget, host_pins=self._host.pin is not None)
         mode, why = choose_tier(need, free_device_memory(self.device, self._host), free_host_memory(self._host),
                                 unified, budget)
         return mode, f"auto: {why}"
