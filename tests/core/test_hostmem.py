@@ -130,7 +130,10 @@ def test_auto_sees_what_other_stores_left_of_the_process_budget(monkeypatch):
 @pytest.mark.parametrize("hosted", [False, True], ids=["engine_pins", "host_pins"])
 def test_two_cuda_stores_share_one_pin_budget(monkeypatch, hosted):
     """Two real ram_async stores on CUDA (cond and uncond of a run) against one budget of 3 layers."""
-    layer = 2 * 1024 * 1024 * 2  # K and V of 1 Mi bfloat16 elements each
+    from offload_core.layout import layout_for
+
+    k = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+    layer = layout_for(k, k).data_bytes  # one host buffer per layer holds K and V
     budget = PinBudget(3 * layer)
     host = HostServices()
     if hosted:  # a host with its own budget, as ComfyUI's ensure_pin_budget + pin_memory
@@ -149,7 +152,6 @@ def test_two_cuda_stores_share_one_pin_budget(monkeypatch, hosted):
         host = HostServices(pin=pin, unpin=unpin)
     else:
         monkeypatch.setattr(hostmem, "_process_budget", budget)
-    k = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
     stores = [KVStore(OffloadConfig(mode="ram_async"), "cuda", host=host, name=n) for n in ("cond", "uncond")]
     try:
         for i in range(2):
