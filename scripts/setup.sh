@@ -18,18 +18,19 @@ torch_spec=${TORCH_SPEC:-torch==2.13.0}
 torch_index=${TORCH_INDEX:-}
 stamp=.venv/.kv-offload-setup
 
-if ! "$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
-    echo "setup.sh: needs Python 3.10 or newer; '$python' is $("$python" --version 2>&1 || echo 'not found')." \
-         "Set PYTHON=/path/to/python3.10+ and run again." >&2
-    exit 1
-fi
-# What the stamp records: everything that decides what gets installed.
-key=$({ cat pyproject.toml; echo "$torch_spec|$torch_index"; "$python" --version; } | sha256sum | cut -d' ' -f1)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ] && .venv/bin/python -c "import offload_core" 2>/dev/null; then
+# What the stamp records: everything that decides what gets installed (the interpreter is .venv's own).
+key() { { cat pyproject.toml; echo "$torch_spec|$torch_index"; .venv/bin/python --version; } | sha256sum | cut -d' ' -f1; }
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(key)" ] \
+        && .venv/bin/python -c "import offload_core" 2>/dev/null; then
     echo "setup.sh: .venv is up to date (pyproject.toml unchanged); nothing to install."
     exit 0
 fi
 if [ ! -x .venv/bin/python ]; then
+    if ! "$python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' 2>/dev/null; then
+        echo "setup.sh: needs Python 3.10 or newer; '$python' is $("$python" --version 2>&1 || echo 'not found')." \
+             "Set PYTHON=/path/to/python3.10+ and run again." >&2
+        exit 1
+    fi
     "$python" -m venv .venv || { echo "setup.sh: '$python -m venv' failed; on Debian/Ubuntu install python3-venv." >&2; exit 1; }
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
@@ -40,4 +41,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 "${pip[@]}" -e ".[test]"
 .venv/bin/python -c "import torch; print('setup.sh: .venv has torch', torch.__version__, '(CUDA', torch.version.cuda, end=')\n')"
-echo "$key" > "$stamp"
+key > "$stamp"
