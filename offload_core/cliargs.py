@@ -23,8 +23,8 @@ def output_file(parser: argparse.ArgumentParser, option: str, path: Optional[str
     long benchmark never ends in a lost result)."""
     if path is None:
         return
-    if os.path.isdir(path):
-        parser.error(f"{option} {path!r} is a directory; give a file name inside it, e.g. {os.path.join(path, 'out')}.")
+    if os.path.isdir(path) or path.endswith(("/", os.sep)):
+        parser.error(f"{option} {path!r} names a directory; give a file name inside it, e.g. {os.path.join(path, 'out')}.")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         parser.error(f"{option} {path!r}: the folder {folder!r} does not exist; create it (mkdir -p) or pick another.")

@@ -18,7 +18,8 @@ from offload_core import __main__ as cli
 BAD = {
     "json folder missing": (["bench", "--json", "{tmp}/missing/x.json"], "--json"),
     "plot folder missing": (["bench", "--plot", "{tmp}/missing/x.png"], "--plot"),
-    "json is a folder": (["bench", "--json", "{tmp}"], "is a directory"),
+    "json is a folder": (["bench", "--json", "{tmp}"], "names a directory"),
+    "plot names a folder": (["bench", "--plot", "{tmp}/new/"], "names a directory"),
     "device banana": (["bench", "--device", "banana"], "--device 'banana' is not a device name"),
     "device meta": (["bench", "--device", "meta"], "the tools run on cpu, cuda or mps"),
     "modes comma": (["bench", "--modes", ","], "--modes ',' names no rows"),
