@@ -24,7 +24,8 @@ def output_file(parser: argparse.ArgumentParser, option: str, path: Optional[str
     if path is None:
         return
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        parser.error(f"{option} {path!r} names a directory; give a file name inside it, e.g. {os.path.join(path, 'out')}.")
+        example = os.path.join(path, "out")
+        parser.error(f"{option} {path!r} names a directory; give a file name inside it, e.g. {example}.")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         parser.error(f"{option} {path!r}: the folder {folder!r} does not exist; create it (mkdir -p) or pick another.")

@@ -165,9 +165,11 @@ LOAD_JS = """(async (name) => {
     ids: nodes.map((n) => Number(n.id)).sort((a, b) => a - b),
     links: app.graph.links instanceof Map ? app.graph.links.size : Object.keys(app.graph.links).length,
     unregistered: [...new Set(nodes.map((n) => n.type).filter((t) => !(t in LG.registered_node_types)))].sort(),
-    reported: store ? (store.missingNodesError?.nodeTypes ?? []).map((e) => (typeof e === "string" ? e : e.type)) : null,
+    reported: store
+      ? (store.missingNodesError?.nodeTypes ?? []).map((e) => (typeof e === "string" ? e : e.type)) : null,
     dialogs,
-    settings: nodes.filter((n) => n.type === "KVOffloadSettings").map((n) => n.widgets.find((w) => w.name === "mode").value),
+    settings: nodes.filter((n) => n.type === "KVOffloadSettings")
+      .map((n) => n.widgets.find((w) => w.name === "mode").value),
   };
 })""" % PACK
 
