@@ -5,10 +5,11 @@
 No ComfyUI imports here, ever; diffusers only inside `offload_core.diffusers`.
 """
 
+from ._version import package_version
 from .config import HostServices, Mode, OffloadConfig
 from .memory import memory_snapshot
 from .store import KVStore
 from .tiers import KVFileError
 
 __all__ = ["HostServices", "KVFileError", "KVStore", "Mode", "OffloadConfig", "memory_snapshot"]
-__version__ = "0.1.0"
+__version__ = package_version()  # from pyproject.toml: the one place the version is written

@@ -92,8 +92,9 @@ class OffloadConfig:
             that is deleted on close.
         bypass_page_cache: file tiers only (default True): read with O_DIRECT where the filesystem allows it,
             else drop written and read pages with posix_fadvise, so the file tier really saves RAM.
-        pin_budget: bytes of page-locked host memory this store may pin (async tiers only); default: the host
-            service's budget, else a quarter of the RAM available when the store is created.
+        pin_budget: bytes of page-locked host memory this store may pin (async tiers only), inside the one
+            budget every store of the process shares: the host pinning service's (ComfyUI's), else a quarter of
+            the physical RAM (`hostmem.process_pin_budget()`). Default: no cap of its own.
         device_budget: bytes of the cache (as kept) a store may hold resident on the device; whole layers up
             to it stay there, the rest stream from the mode's place (None: the mode decides, as before).
             Streaming modes and `auto` only. Budgets are per store, i.e. per cached prefix and CFG branch.

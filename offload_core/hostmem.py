@@ -5,6 +5,13 @@ CPU allocator only aligns to 64 bytes), and returned to the OS the moment it is 
 existing pages (`cudaHostRegister`, or the host's own `pin`, e.g. ComfyUI's budgeted `pin_memory`) one layer
 at a time, never the whole cache up front; past the budget or when the driver refuses, the buffer stays
 pageable and the store reports `pinned_fallback`.
+
+The budget is one per process, shared by every store (both CFG branches of a run, several runs at once):
+- with a host pinning service (`HostServices.pin`, e.g. ComfyUI's `pin_memory` behind `ensure_pin_budget`)
+  the host's own budget is the one: the engine adds no cap of its own and pins until the host refuses;
+- without one, the engine pins with `cudaHostRegister` within `process_pin_budget()`: a quarter of the
+  physical RAM, fixed when it is first needed, shared by every store of the process.
+`OffloadConfig.pin_budget` caps one store further, inside that shared budget.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import mmap
 import threading
 from typing import Callable, Optional
 
+import psutil
 import torch
 
 log = logging.getLogger(__name__)
@@ -82,20 +90,78 @@ def _cuda_unregister(tensor: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
+class PinBudget:
+    """Bytes of page-locked memory that every allocator drawing from it may hold together (thread-safe)."""
+
+    def __init__(self, limit: int):
+        self.limit = int(limit)
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> bool:
+        """Takes `nbytes` if they fit (before pinning, so two stores cannot overshoot together)."""
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.used -= nbytes
+
+    @property
+    def left(self) -> int:
+        return max(0, self.limit - self.used)
+
+
+_process_budget: Optional[PinBudget] = None
+_process_lock = threading.Lock()
+
+
+def process_pin_budget() -> PinBudget:
+    """The budget of the pinning the engine does itself (no host service): a quarter of the physical RAM.
+
+    Page-locked memory cannot be swapped, so the engine never locks most of it; the figure is fixed at first
+    use and shared by every store of this process. A program may set `process_pin_budget().limit`.
+    """
+    global _process_budget
+    with _process_lock:
+        if _process_budget is None:
+            _process_budget = PinBudget(psutil.virtual_memory().total // 4)
+        return _process_budget
+
+
+def pin_room(store_cap: Optional[int], host_pins: bool) -> Optional[int]:
+    """Bytes a new store could pin now, for `auto`: None when the host's own budget decides (unknown here)."""
+    if host_pins:
+        return store_cap
+    left = process_pin_budget().left
+    return left if store_cap is None else min(store_cap, left)
+
+
 class HostAllocator:
-    """Allocates `HostBuffer`s; pins them while `pinned_bytes + size <= budget` and the pinner accepts.
+    """Allocates `HostBuffer`s; pins them while they fit the budgets and the pinner accepts.
 
     Args:
         pin: try to page-lock buffers at all (only meaningful when copies go to a CUDA device).
-        budget: bytes this allocator may keep pinned at once.
+        budget: bytes this allocator may keep pinned at once (`OffloadConfig.pin_budget`); None: no own cap.
         pin_fn / unpin_fn: the host's pinning service; default `cudaHostRegister` / `cudaHostUnregister`.
+        shared: the budget shared with every other allocator; default `process_pin_budget()` when the engine
+            pins itself, none when the host pins (the host's service enforces its own budget).
     """
 
-    def __init__(self, pin: bool, budget: int, pin_fn: Optional[Callable] = None, unpin_fn: Optional[Callable] = None):
+    _PROCESS = object()
+
+    def __init__(self, pin: bool, budget: Optional[int] = None, pin_fn: Optional[Callable] = None,
+                 unpin_fn: Optional[Callable] = None, shared=_PROCESS):
         self.pin = pin
         self.budget = budget
         self._pin_fn = pin_fn or _cuda_register
         self._unpin_fn = unpin_fn or _cuda_unregister
+        if shared is HostAllocator._PROCESS:
+            shared = process_pin_budget() if pin and pin_fn is None else None
+        self.shared: Optional[PinBudget] = shared
         self._lock = threading.Lock()
         self.pinned_bytes = 0
         self.pageable_bytes = 0
@@ -104,19 +170,30 @@ class HostAllocator:
     def alloc(self, nbytes: int) -> HostBuffer:
         buf = HostBuffer(nbytes)
         if self.pin and nbytes:
-            with self._lock:
-                fits = self.pinned_bytes + nbytes <= self.budget
-                if fits:
-                    self.pinned_bytes += nbytes  # reserve before pinning so two threads cannot overshoot
+            fits = self._reserve(nbytes)  # before pinning, so two threads (or two stores) cannot overshoot
             if fits and self._try_pin(buf):
                 return buf
             if fits:
-                with self._lock:
-                    self.pinned_bytes -= nbytes
+                self._unreserve(nbytes)
             self._note_fallback("pin budget exhausted" if not fits else "the pinning service refused", nbytes)
         with self._lock:
             self.pageable_bytes += nbytes
         return buf
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.budget is not None and self.pinned_bytes + nbytes > self.budget:
+                return False
+            if self.shared is not None and not self.shared.reserve(nbytes):
+                return False
+            self.pinned_bytes += nbytes
+            return True
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.pinned_bytes -= nbytes
+            if self.shared is not None:
+                self.shared.release(nbytes)
 
     def _try_pin(self, buf: HostBuffer) -> bool:
         try:
@@ -130,19 +207,27 @@ class HostAllocator:
         if self.fallback_reason is None:
             self.fallback_reason = why
             log.warning(
-                "KV offload: %s (budget %.2f GiB, %.2f GiB pinned); the rest of this cache uses pageable memory, "
-                "so its copies are slower and not overlapped.", why, self.budget / 2**30, self.pinned_bytes / 2**30,
+                "KV offload: %s (%s; this store has %.2f GiB pinned); the rest of this cache uses pageable memory, "
+                "so its copies are slower and not overlapped.", why, self._describe_budget(), self.pinned_bytes / 2**30,
             )
+
+    def _describe_budget(self) -> str:
+        parts = [] if self.budget is None else [f"store budget {self.budget / 2**30:.2f} GiB"]
+        if self.shared is not None:
+            parts.append(f"process budget {self.shared.limit / 2**30:.2f} GiB, {self.shared.used / 2**30:.2f} GiB "
+                         "of it in use by all stores")
+        return "; ".join(parts) or "the host's pinned-memory budget"
 
     def free(self, buf: HostBuffer) -> None:
         if buf.tensor is None:
             return
-        with self._lock:
-            if buf.pinned:
-                self.pinned_bytes -= buf.nbytes
-            else:
-                self.pageable_bytes -= buf.nbytes
         if buf.pinned:
-            self._unpin_fn(buf.tensor)
-            buf.pinned = False
+            try:
+                self._unpin_fn(buf.tensor)
+            finally:  # after unpinning: the budget never counts less than is locked
+                buf.pinned = False
+                self._unreserve(buf.nbytes)
+        else:
+            with self._lock:
+                self.pageable_bytes -= buf.nbytes
         buf.release()

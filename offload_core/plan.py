@@ -63,11 +63,6 @@ def resolve(requested: Mode, unified: Optional[str]) -> Tuple[Mode, str]:
     return requested, "requested"
 
 
-def default_pin_budget(free_host: Optional[int]) -> int:
-    """A quarter of available RAM: page-locked memory cannot be swapped, so we never take most of it."""
-    return (free_host or 0) // 4
-
-
 def resident_indices(layers: int, resident: int) -> List[int]:
     """Which of `layers` (in put order) stay on the device when only `resident` of them fit.
 

@@ -32,11 +32,6 @@ def free_host_memory(host: HostServices) -> Optional[int]:
     return int(psutil.virtual_memory().available)
 
 
-def default_pin_budget(host: HostServices) -> int:
-    """The pin budget when neither the config nor the host sets one (see `plan.default_pin_budget`)."""
-    return plan.default_pin_budget(free_host_memory(host))
-
-
 class StoreStats:
     """Running counters of one store; `as_dict` turns them into the plain dict of `KVStore.stats()`."""
 

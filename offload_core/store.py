@@ -28,11 +28,11 @@ from .codec import add_error, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .devices import DONE, Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
-from .hostmem import HostAllocator
+from .hostmem import HostAllocator, pin_room
 from .layout import LayerLayout, layout_for, views
 from .plan import ASSUMED_LAYERS, DEVICE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
-from .stats import StoreStats, default_pin_budget, free_device_memory, free_host_memory
+from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Pending, Tier, TierContext
 from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, close_tiers, open_tier
@@ -128,10 +128,11 @@ class KVStore:
     def _open_schedule(self, asynchronous: bool) -> None:
         """Streams, allocators and the ring; tiers open per place at the first layer placed there."""
         self.depth = self.config.depth if asynchronous else 0
-        budget = self.config.pin_budget if self.config.pin_budget is not None else default_pin_budget(self._host)
         self._streams = open_streams(self.device, asynchronous, self._host.stream)
-        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA).
-        self._allocator = HostAllocator(self._streams.asynchronous, budget, self._host.pin, self._host.unpin)
+        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA). One pinned-memory budget
+        # per process (the host's, else the engine's) is shared by every store; `pin_budget` caps this one inside it.
+        self._allocator = HostAllocator(self._streams.asynchronous, self.config.pin_budget, self._host.pin,
+                                        self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
         self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
@@ -145,7 +146,7 @@ class KVStore:
         auto = self.requested is Mode.AUTO
         if auto:
             self._open_schedule(True)
-        budget = self._allocator.budget
+        budget = pin_room(self.config.pin_budget, host_pins=self._host.pin is not None)
         figures = Figures(
             layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
             slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),

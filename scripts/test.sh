@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# The project's test command: sets up ./.venv, then runs the Python tests and the web formatting tests.
-# GPU, ComfyUI and browser tests are skipped (with their reason) where their host is absent.
+# The project's test command: sets up ./.venv, then runs the Python tests and the readout's formatting tests.
+# GPU, ComfyUI and browser tests are skipped (with their reason) where their host is absent; the formatting
+# tests need Node.js 18+ (`node --test`) and are skipped, saying so, without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if ls tests/web/*.test.mjs >/dev/null 2>&1; then
-    node --test tests/web/ || status=$?
+    node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+    if [ "$node_major" -ge 18 ]; then
+        node --test tests/web/ || status=$?
+    elif command -v node >/dev/null; then
+        echo "test.sh: SKIPPED tests/web (the readout's formatting tests): they need Node.js 18+, found $(node --version)."
+    else
+        echo "test.sh: SKIPPED tests/web (the readout's formatting tests): Node.js is not on PATH; install Node.js 18+ to run them."
+    fi
 fi
 exit $status

@@ -7,16 +7,20 @@ import sys
 
 import torch
 
-from . import fullsize, hardware, loading, models, report
-from .measure import measure_rows
+from .. import cliargs
+from . import hardware, report
 from .rows import select_rows
+
+# What the benchmark imports besides the engine (diffusers builds the pipelines, PIL the condition images).
+EXTRA = ("diffusers", "transformers", "PIL")
+INSTALL = 'pip install "comfyui-kv-offload[bench]"'
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m offload_core bench", description=__doc__)
+    p = cliargs.Parser(prog="python -m offload_core bench", description=__doc__)
     p.add_argument("--model", metavar="PATH", help="local diffusers folder of Qwen-Image 2.1 or FLUX.2 Klein KV "
                    "(default: a built-in Qwen-Image 2.1 with random weights, nothing downloaded)")
     p.add_argument("--device", help="compute device (default: cuda if available, else cpu)")
@@ -44,10 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args, parser: argparse.ArgumentParser) -> None:
+    """Every option, before anything is imported, loaded or measured; a bad one exits 2 with one line."""
+    cliargs.output_file(parser, "--json", args.json)  # first: a run must never end with nowhere to write
+    cliargs.output_file(parser, "--plot", args.plot)
+    if args.plot and cliargs.missing("matplotlib"):
+        parser.error(f"--plot needs matplotlib, which is not installed; {INSTALL} (or pip install matplotlib).")
     if args.size == "full" and args.model is not None:
         parser.error("--size full builds a built-in pipeline at its real width; drop --model (a local folder is "
                      "benchmarked at its own size).")
-    args.resolution = args.resolution or (1024 if args.size == "full" else 256)
+    if args.resolution is None:
+        args.resolution = 1024 if args.size == "full" else 256
     for name, low in (("steps", 2), ("runs", 1), ("images", 1)):
         if getattr(args, name) < low:
             parser.error(f"--{name} must be >= {low}; got {getattr(args, name)}.")
@@ -57,17 +67,27 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         args.rows = select_rows(args.modes)
     except ValueError as exc:
         parser.error(str(exc))
-    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: this torch build has no CUDA device available. Use --device cpu.")
+    if not args.rows:
+        parser.error(f"--modes {args.modes!r} names no rows; give comma-separated row names, e.g. gpu,ram_async.")
+    args.device = cliargs.device(parser, args.device)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1; got {args.threads}.")
     default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
     args.torch_dtype = _DTYPES[args.dtype or default_dtype]
+    absent = cliargs.missing(*EXTRA)
+    if absent:
+        parser.exit(1, f"python -m offload_core bench needs the bench extra ({', '.join(absent)} missing): {INSTALL}\n")
+    from . import fullsize, loading
+
     if args.size == "full":  # before anything is allocated
         problem = fullsize.shortfall(args.pipeline, args.device, args.torch_dtype, args.images, args.resolution)
         if problem:
             parser.exit(2, problem + "\n")
+    if args.model is not None:
+        try:
+            loading.check_model_folder(args.model)
+        except ValueError as exc:
+            parser.error(str(exc))
 
 
 def _progress(total: int):
@@ -80,6 +100,9 @@ def _progress(total: int):
 
 def run(args) -> tuple[list[dict], dict, str]:
     """Measure every selected row; returns (rows, hardware, settings line)."""
+    from . import fullsize, loading, models
+    from .measure import measure_rows
+
     if args.size == "full":
         pipe, description = fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
     elif args.pipeline == "flux2" and args.model is None:

@@ -23,20 +23,31 @@ def load(model: str | None, device: torch.device, dtype: torch.dtype):
         size = BENCH_SIZE
         hidden = size.heads * size.head_dim
         return pipe, f"built-in QwenImage21Pipeline, random weights ({size.layers} layers, hidden {hidden})"
-    index = os.path.join(model, "model_index.json")
-    if not os.path.isfile(index):
-        raise ValueError(f"`--model` must be a local diffusers folder with a model_index.json; got {model!r}.")
-    with open(index) as f:
-        class_name = json.load(f).get("_class_name")
-    if class_name not in SUPPORTED:
-        raise ValueError(
-            f"`--model` {model!r} holds a {class_name}; the benchmark runs {' and '.join(SUPPORTED)} folders.")
+    class_name = check_model_folder(model)
     import diffusers
 
     pipe = getattr(diffusers, class_name).from_pretrained(model, dtype=dtype, local_files_only=True)
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe, f"{class_name} from {model}"
+
+
+def check_model_folder(model: str) -> str:
+    """The pipeline class named by the folder's model_index.json; ValueError unless it is one we run."""
+    index = os.path.join(model, "model_index.json")
+    if not os.path.isfile(index):
+        what = "does not exist" if not os.path.exists(model) else "has no model_index.json"
+        raise ValueError(f"--model {model!r} {what}; give a local diffusers folder (with a model_index.json) "
+                         "of a QwenImage21Pipeline or Flux2KleinKVPipeline, or leave --model out for the built-in one.")
+    try:
+        with open(index) as f:
+            class_name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"--model {model!r}: its model_index.json cannot be read as a JSON object ({exc}).") from None
+    if class_name not in SUPPORTED:
+        raise ValueError(
+            f"--model {model!r} holds a {class_name}; the benchmark runs {' and '.join(SUPPORTED)} folders.")
+    return class_name
 
 
 def call_factory(pipe, *, builtin: bool, steps: int, resolution: int, n_images: int = 1) -> Callable[[], dict]:

@@ -114,12 +114,14 @@ def test_model_folder_of_flux2_klein_kv_runs_without_the_no_cache_row(tmp_path, 
     assert data["rows"][1]["kv_bytes"]["host_pageable"] == data["rows"][0]["kv_bytes"]["device"] > 0
 
 
-def test_model_folder_must_be_a_supported_pipeline(tmp_path):
-    with pytest.raises(ValueError, match="model_index.json"):
-        main(["--model", str(tmp_path), "--runs", "1"])
-    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    with pytest.raises(ValueError, match="holds a StableDiffusionPipeline"):
-        main(["--model", str(tmp_path), "--runs", "1"])
+def test_model_folder_must_be_a_supported_pipeline(tmp_path, capsys):
+    for content, expected in ((None, "has no model_index.json"), ("[1]", "cannot be read as a JSON object"),
+                              ('{"_class_name": "StableDiffusionPipeline"}', "holds a StableDiffusionPipeline")):
+        if content is not None:
+            (tmp_path / "model_index.json").write_text(content)
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", str(tmp_path), "--runs", "1"])
+        assert exc.value.code == 2 and expected in capsys.readouterr().err
 
 
 def test_dial_and_lossy_rows_measure_budgets_error_and_psnr(tmp_path, capsys):

@@ -2,9 +2,12 @@
 
 import logging
 
+import psutil
+import pytest
 import torch
 
-from offload_core.hostmem import HostAllocator
+from offload_core import HostServices, KVStore, OffloadConfig, hostmem
+from offload_core.hostmem import HostAllocator, PinBudget
 
 
 class RecordingPinner:
@@ -70,6 +73,99 @@ def test_pinning_service_exception_is_contained():
     buf = alloc.alloc(4096)
     assert not buf.pinned and alloc.pinned_bytes == 0
     alloc.free(buf)
+
+
+def test_two_stores_share_one_budget():
+    """The two CFG branches of a run draw from one budget: what one pins, the other cannot."""
+    pinner, shared = RecordingPinner(), PinBudget(3 * 4096)
+    cond = HostAllocator(pin=True, pin_fn=pinner.pin, unpin_fn=pinner.unpin, shared=shared)
+    uncond = HostAllocator(pin=True, pin_fn=pinner.pin, unpin_fn=pinner.unpin, shared=shared)
+    a = [cond.alloc(4096) for _ in range(2)]
+    b = [uncond.alloc(4096) for _ in range(2)]
+    assert [x.pinned for x in a + b] == [True, True, True, False]
+    assert shared.used == 3 * 4096 and shared.left == 0 and uncond.fallback_reason == "pin budget exhausted"
+    cond.free(a[0])  # freed pins go back to the shared budget at once
+    assert shared.used == 2 * 4096 and uncond.alloc(4096).pinned
+    for buf in a[1:]:
+        cond.free(buf)
+    assert shared.used == 2 * 4096  # uncond's two pins
+
+
+def test_a_store_cap_applies_inside_the_shared_budget():
+    pinner, shared = RecordingPinner(), PinBudget(1 << 30)
+    alloc = HostAllocator(pin=True, budget=4096, pin_fn=pinner.pin, unpin_fn=pinner.unpin, shared=shared)
+    assert [alloc.alloc(4096).pinned for _ in range(2)] == [True, False]
+    assert shared.used == 4096
+
+
+def test_a_refused_pin_returns_its_reservation_to_the_shared_budget():
+    shared = PinBudget(1 << 20)
+    alloc = HostAllocator(pin=True, pin_fn=lambda t: False, unpin_fn=lambda t: None, shared=shared)
+    assert not alloc.alloc(4096).pinned and shared.used == 0
+
+
+def test_who_owns_the_budget():
+    # The engine pins itself (cudaHostRegister): the process-wide budget, a quarter of the physical RAM.
+    own = HostAllocator(pin=True)
+    assert own.shared is hostmem.process_pin_budget() is HostAllocator(pin=True).shared
+    assert own.shared.limit == psutil.virtual_memory().total // 4
+    # A host pinning service (ComfyUI's pin_memory behind ensure_pin_budget) enforces its own budget: no cap added.
+    hosted = HostAllocator(pin=True, pin_fn=lambda t: True, unpin_fn=lambda t: None)
+    assert hosted.shared is None and hosted.budget is None
+    assert hostmem.pin_room(None, host_pins=True) is None
+    assert hostmem.pin_room(4096, host_pins=True) == 4096
+
+
+def test_auto_sees_what_other_stores_left_of_the_process_budget(monkeypatch):
+    budget = PinBudget(64 << 20)
+    monkeypatch.setattr(hostmem, "_process_budget", budget)
+    assert hostmem.pin_room(None, host_pins=False) == 64 << 20
+    assert budget.reserve(48 << 20)
+    assert hostmem.pin_room(None, host_pins=False) == 16 << 20
+    assert hostmem.pin_room(8 << 20, host_pins=False) == 8 << 20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("hosted", [False, True], ids=["engine_pins", "host_pins"])
+def test_two_cuda_stores_share_one_pin_budget(monkeypatch, hosted):
+    """Two real ram_async stores on CUDA (cond and uncond of a run) against one budget of 3 layers."""
+    from offload_core.layout import layout_for
+
+    k = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
+    layer = layout_for(k, k).data_bytes  # one host buffer per layer holds K and V
+    budget = PinBudget(3 * layer)
+    host = HostServices()
+    if hosted:  # a host with its own budget, as ComfyUI's ensure_pin_budget + pin_memory
+        def pin(t):
+            if not budget.reserve(t.nbytes):
+                return False
+            if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.nbytes, 1)) == 0:
+                return True
+            budget.release(t.nbytes)
+            return False
+
+        def unpin(t):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            budget.release(t.nbytes)
+
+        host = HostServices(pin=pin, unpin=unpin)
+    else:
+        monkeypatch.setattr(hostmem, "_process_budget", budget)
+    stores = [KVStore(OffloadConfig(mode="ram_async"), "cuda", host=host, name=n) for n in ("cond", "uncond")]
+    try:
+        for i in range(2):
+            for store in stores:
+                store.put(i, k, k)
+        stats = [s.stats() for s in stores]
+        pinned = [s["bytes"]["host_pinned"] for s in stats]
+        assert sum(pinned) <= 3 * layer and min(pinned) > 0, pinned
+        assert stats[1]["pinned_fallback"] and not stats[0]["pinned_fallback"]
+        assert all(torch.equal(s.get(1)[0], k) for s in stores)
+    finally:
+        for store in stores:
+            store.close()
+    assert budget.used == 0
 
 
 def test_memory_snapshot_scopes():

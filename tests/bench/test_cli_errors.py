@@ -1,0 +1,146 @@
+"""The command line refuses every bad input with one line on stderr and exit status 2, before any work.
+
+Every case runs in-process through the module's `main` (cheap); a few also as `python -m offload_core ...`
+subprocesses, all at once, for the real exit status and stderr. "Before any work" is asserted by what did not
+happen: nothing on stdout (no table, no progress), no file or folder written.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload_core import __main__ as cli
+
+BAD = {
+    "json folder missing": (["bench", "--json", "{tmp}/missing/x.json"], "--json"),
+    "plot folder missing": (["bench", "--plot", "{tmp}/missing/x.png"], "--plot"),
+    "json is a folder": (["bench", "--json", "{tmp}"], "names a directory"),
+    "plot names a folder": (["bench", "--plot", "{tmp}/new/"], "names a directory"),
+    "device banana": (["bench", "--device", "banana"], "--device 'banana' is not a device name"),
+    "device meta": (["bench", "--device", "meta"], "the tools run on cpu, cuda or mps"),
+    "modes comma": (["bench", "--modes", ","], "--modes ',' names no rows"),
+    "modes unknown": (["bench", "--modes", "vram"], "unknown row 'vram'"),
+    "model missing": (["bench", "--model", "{tmp}/nonexistent"], "does not exist"),
+    "runs not a number": (["bench", "--runs", "x"], "invalid int value"),
+    "resolution": (["bench", "--resolution", "100"], "--resolution must be a multiple of 32"),
+    "demo layers 0": (["demo", "--layers", "0"], "--layers must be >= 1"),
+    "demo mib 0": (["demo", "--mib", "0"], "--mib must be at least"),
+    "demo device banana": (["demo", "--device", "banana"], "is not a device name"),
+    "unknown command": (["banana"], "unknown command 'banana'"),
+}
+if not torch.backends.mps.is_available():
+    BAD["device mps"] = (["bench", "--device", "mps"], "has no MPS device")
+if not torch.cuda.is_available():
+    BAD["device cuda"] = (["bench", "--device", "cuda"], "has no CUDA device")
+    BAD["demo device cuda"] = (["demo", "--device", "cuda:0"], "has no CUDA device")
+else:
+    BAD["device cuda index"] = (["bench", "--device", f"cuda:{torch.cuda.device_count()}"], "numbered from 0")
+
+
+def _exit_status(argv) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's way out
+        return exc.code
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_is_refused_in_one_line_with_exit_2(name, tmp_path, capsys):
+    argv, expected = BAD[name]
+    assert _exit_status([a.format(tmp=tmp_path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and expected in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def _run_all(cases: dict, tmp_path, env=None) -> dict:
+    procs = {name: subprocess.Popen([sys.executable, "-m", "offload_core",
+                                     *[a.format(tmp=tmp_path) for a in argv]],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for name, (argv, _) in cases.items()}
+    results = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=300)
+        results[name] = (p.returncode, out, err)
+    return results
+
+
+def test_as_a_command_too_one_line_and_exit_2(tmp_path):
+    some = ("json folder missing", "device banana", "model missing", "demo layers 0", "unknown command")
+    results = _run_all({name: BAD[name] for name in some}, tmp_path)
+    for name, (rc, out, err) in results.items():
+        expected = BAD[name][1]
+        assert (rc, out) == (2, ""), f"{name}: rc {rc}, stdout {out!r}, stderr {err!r}"
+        assert err.count("\n") == 1 and expected in err, f"{name}: {err!r}"
+    assert sorted(os.listdir(tmp_path)) == []  # no output file, no folder made
+
+
+def test_help_lists_the_commands_and_no_argument_prints_it(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert f"  {name}  " in out
+    assert cli.main([]) == 2  # no command is a usage error: the help goes to stderr, nothing runs
+    assert capsys.readouterr().err == out
+
+
+def test_demo_passes_and_says_so(capsys):
+    from offload_core import demo
+
+    assert demo.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" yes    yes ") == 5 and "every tier returned every layer bit-identical" in out
+
+
+def test_demo_fails_when_a_round_trip_is_not_exact(monkeypatch, capsys):
+    from offload_core import demo
+
+    class Corrupting(demo.KVStore):
+        def get(self, key):
+            k, v = super().get(key)
+            return k + 1, v  # what a broken tier would hand back
+
+    monkeypatch.setattr(demo, "KVStore", Corrupting)
+    assert demo.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 1
+    captured = capsys.readouterr()
+    rows = captured.out.splitlines()[2:]
+    assert len(rows) == 5 and all(row.split()[2] == "NO" for row in rows)  # the "exact" column
+    assert "FAILED: gpu, ram_sync, ram_async, file_sync, file_async" in captured.err
+
+
+BLOCKER = textwrap.dedent("""
+    import sys
+    BLOCKED = set(sys.argv.pop(1).split(","))
+
+    class Blocker:  # what a Python without these packages says when they are imported or looked up
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    sys.meta_path.insert(0, Blocker())
+    exec(sys.argv.pop(1))
+""")
+
+
+@pytest.mark.parametrize("blocked", ["diffusers", "PIL"])
+def test_bench_without_its_extra_names_the_extra(blocked):
+    code = "import runpy, sys; sys.argv[0] = 'offload_core'; runpy.run_module('offload_core', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", BLOCKER, blocked, code, "bench"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"{blocked} missing" in done.stderr and 'pip install "comfyui-kv-offload[bench]"' in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_diffusers_adapter_without_diffusers_names_the_extra():
+    code = "from offload_core.diffusers import enable_kv_offload"
+    done = subprocess.run([sys.executable, "-c", BLOCKER, "diffusers", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        'ModuleNotFoundError: offload_core.diffusers needs diffusers 0.42.x, which is not installed: '
+        'pip install "comfyui-kv-offload[diffusers]"')
