@@ -8,7 +8,7 @@ No ComfyUI imports here, ever; diffusers only inside `offload_core.diffusers`.
 from .config import HostServices, Mode, OffloadConfig
 from .memory import memory_snapshot
 from .store import KVStore
-from .tiers import KVFileError
+from .tiers import KVFileError, KVWriteError
 
-__all__ = ["HostServices", "KVFileError", "KVStore", "Mode", "OffloadConfig", "memory_snapshot"]
+__all__ = ["HostServices", "KVFileError", "KVStore", "KVWriteError", "Mode", "OffloadConfig", "memory_snapshot"]
 __version__ = "0.1.0"

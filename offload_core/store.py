@@ -110,6 +110,8 @@ class KVStore:
         else:
             parent = self.config.file_dir or (self._host.temp_dir() if self._host.temp_dir else None)
             self._tier = FileTier(ctx, parent, self.config.bypass, mode is Mode.FILE_ASYNC)
+            if self._tier.note:  # e.g. a RAM-backed filesystem: the stats say why this tier saves no RAM
+                self.reason = f"{reason}; {self._tier.note}"
         self._slots = [] if self._tier.on_device else [_Slot() for _ in range(depth + 1)]
         # A safety net for stores that are dropped without close(): files and pinned pages still go away.
         self._finalizer = weakref.finalize(self, _close_tier, self._tier, self._streams)

@@ -7,6 +7,7 @@ A tier knows *how* to keep a layer and how to copy it into a device slot; the st
 from __future__ import annotations
 
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Dict, Hashable, Optional, Tuple
 
@@ -38,7 +39,7 @@ class Pending:
     def wait(self, stream) -> None:
         """Blocks the host until the data is queued, then orders `stream` after the copy (no host sync)."""
         if self._future is not None:
-            self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+            self._fence = _result(self._future)
             self._future = None
         self._fence.make_wait(stream)
 
@@ -53,11 +54,19 @@ class Pending:
         """Waits for the load to finish completely, swallowing its error (used when cancelling)."""
         try:
             if self._future is not None:
-                self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+                self._fence = _result(self._future)
                 self._future = None
             self._fence.synchronize()
         except Exception:
             pass
+
+
+def _result(future: Future) -> Fence:
+    try:
+        return future.result(timeout=TRANSFER_TIMEOUT_S)
+    except FutureTimeout:
+        raise TimeoutError(f"KV offload: a layer load did not finish within {TRANSFER_TIMEOUT_S:.0f} s (waiting for "
+                           "its background read and copy); the disk or device is not answering.") from None
 
 
 class Tier:

@@ -57,7 +57,7 @@ def main():
         peak = max(peak, proc.memory_info().rss)
     stats = store.stats()
     directory = stats["file_dir"]
-    files = [os.path.join(directory, f) for f in os.listdir(directory)]
+    files = [os.path.join(directory, f) for f in os.listdir(directory) if not f.startswith(".")]
     cache_bytes = sum(os.path.getsize(f) for f in files)
     resident = sum(resident_bytes(f) for f in files)
     store.close()

@@ -23,7 +23,7 @@ def filled_store(mode, tmp_path, n=3, dtype=torch.bfloat16):
 
 def layer_files(store):
     directory = store.stats()["file_dir"]
-    return sorted(os.path.join(directory, f) for f in os.listdir(directory))
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if not f.startswith("."))
 
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
