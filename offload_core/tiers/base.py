@@ -65,6 +65,8 @@ def _result(future: Future) -> Fence:
     try:
         return future.result(timeout=TRANSFER_TIMEOUT_S)
     except FutureTimeout:
+        if future.done():
+            raise  # the load failed with a timeout of its own, whose message says what it waited for
         raise TimeoutError(f"KV offload: a layer load did not finish within {TRANSFER_TIMEOUT_S:.0f} s (waiting for "
                            "its background read and copy); the disk or device is not answering.") from None
 

@@ -31,7 +31,8 @@ import torch
 from ..devices import DONE, Fence
 from ..layout import LayerLayout, copy_in, safetensors_header
 from .base import Pending, Tier, TierContext
-from .fileio import (CHECKSUM, CHUNK, KVFileError, KVWriteError, checksum_module, chunks, corrupted, digest, discard,
+from . import fileio
+from .fileio import (CHECKSUM, KVFileError, KVWriteError, checksum_module, chunks, corrupted, digest, discard,
                      drop_pages, finish_write, header_matches, open_checked, pread_exact, probe_page_cache_mode,
                      pwrite_all, ram_backed, reserve)
 from .fileowner import OwnedDir
@@ -62,7 +63,7 @@ class _LayerFile:
 
 
 def _header(key: Hashable, layout: LayerLayout, digests: List[int]) -> bytes:
-    meta = dict(FORMAT, key=repr(key)[:200], checksum=CHECKSUM, chunk_bytes=str(CHUNK),
+    meta = dict(FORMAT, key=repr(key)[:200], checksum=CHECKSUM, chunk_bytes=str(fileio.CHUNK),
                 digests=",".join(f"{d:016x}" for d in digests))
     return safetensors_header(layout, meta)
 
@@ -185,6 +186,8 @@ class FileTier(Tier):
             try:
                 opened = started.result(timeout=io_timeout())
             except cf.TimeoutError:
+                if started.done():
+                    raise  # the start's own timeout, which says what it waited for
                 started.add_done_callback(self._abandon_opened)  # if it ever opens, give its buffer back
                 raise TimeoutError(f"KV offload: opening layer file {entry.path!r} for reading did not finish within "
                                    f"{io_timeout():g} s; the disk is not answering.") from None
@@ -200,7 +203,9 @@ class FileTier(Tier):
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
-            except cf.TimeoutError:
+            except cf.TimeoutError as exc:
+                if entry.write.done():
+                    raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
                 raise TimeoutError(f"KV offload: waited {io_timeout():g} s for the write of {entry.path!r} to finish "
                                    "before reading it back; the disk is not answering.") from None
             except BaseException as exc:

@@ -60,8 +60,9 @@ def digest(view: memoryview) -> int:
     return checksum_module().xxh3_64_intdigest(view)
 
 
-def chunks(start: int, end: int, size: int = CHUNK) -> List[Tuple[int, int]]:
-    """(offset, length) pieces of the byte range [start, end)."""
+def chunks(start: int, end: int, size: Optional[int] = None) -> List[Tuple[int, int]]:
+    """(offset, length) pieces of the byte range [start, end), `CHUNK` bytes each by default."""
+    size = size or CHUNK
     return [(off, min(size, end - off)) for off in range(start, end, size)]
 
 
@@ -214,16 +215,18 @@ def open_checked(path: str, length: int, cache_mode: str) -> int:
         raise KVFileError(f"KV layer file {path!r} is missing: it was deleted while the cache was in use. "
                           "Keep the cache directory untouched until the run ends.") from None
     except OSError as exc:
-        what = "is a symbolic link" if exc.errno == errno.ELOOP else "cannot be opened"
+        try:
+            kind = _kind(os.lstat(path).st_mode)
+        except OSError:
+            kind = None
+        what = f"is {kind}, and cannot be opened" if kind not in (None, "a regular file") else "cannot be opened"
         raise KVFileError(f"KV layer file {path!r} {what} ({_cause(exc)}); it was replaced or changed while the "
                           "cache was in use.") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
-                "a device or socket"
-            raise KVFileError(f"KV layer file {path!r} is {kind}, not the file this store wrote: it was replaced "
-                              "while the cache was in use.")
+            raise KVFileError(f"KV layer file {path!r} is {_kind(st.st_mode)}, not the file this store wrote: it "
+                              "was replaced while the cache was in use.")
         if st.st_size != length:
             raise KVFileError(f"KV layer file {path!r} has {st.st_size} bytes, expected {length}: it was truncated "
                               "or overwritten while the cache was in use.")
@@ -231,6 +234,14 @@ def open_checked(path: str, length: int, cache_mode: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device"
 
 
 def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:

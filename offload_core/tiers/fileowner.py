@@ -50,6 +50,32 @@ def remove_tree(path: str) -> List[Tuple[str, str]]:
     return problems
 
 
+def remove_owned(path: str) -> List[Tuple[str, str]]:
+    """Deletes the owned directory `path`, its lock file last: if anything stays, the lock file stays too, so a
+    later owner still recognises the remains as a cache directory (unlocked once we let go) and reclaims them."""
+    problems: List[Tuple[str, str]] = []
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return problems
+    for name in names:
+        if name == LOCK_NAME:
+            continue
+        child = os.path.join(path, name)
+        if os.path.isdir(child) and not os.path.islink(child):
+            problems += remove_tree(child)
+            continue
+        try:
+            os.unlink(child)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            problems.append((child, f"{type(exc).__name__}: {exc}"))
+    if not problems:
+        problems += remove_tree(path)
+    return problems
+
+
 def _try_lock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -87,7 +113,7 @@ def reclaim(parent: str, prefix: str) -> List[str]:
             if not _try_lock(fd):
                 continue  # its owner is alive
             # We hold the dead owner's lock while deleting, so a second reclaimer skips this directory.
-            _delete_logged(path, "a cache directory whose owner is gone")
+            _delete_logged(path, "a cache directory whose owner is gone", remove_owned)
             reclaimed.append(path)
         finally:
             os.close(fd)
@@ -101,8 +127,8 @@ def _age(path: str) -> float:
         return 0.0
 
 
-def _delete_logged(path: str, what: str) -> None:
-    problems = remove_tree(path)
+def _delete_logged(path: str, what: str, remove=remove_tree) -> None:
+    problems = remove(path)
     if problems:
         log.warning("KV offload: could not delete %s %r: %s", what, path,
                     "; ".join(f"{p}: {why}" for p, why in problems[:5]))
@@ -145,7 +171,7 @@ class OwnedDir:
         problems: List[Tuple[str, str]] = []
         for _ in range(10):
             try:
-                problems = remove_tree(self.path)
+                problems = remove_owned(self.path)
                 break
             except KeyboardInterrupt as exc:
                 interrupt = exc
