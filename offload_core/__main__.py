@@ -1,4 +1,5 @@
-"""`python -m offload_core bench [...]` runs the benchmark; `python -m offload_core demo` a quick round trip."""
+"""`python -m offload_core bench [...]` runs the benchmark; `stream [...]` the tiers' streaming benchmark;
+`python -m offload_core demo` a quick round trip."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ def main(argv=None) -> int:
     if command == "bench":
         from .bench import main as bench_main
         return bench_main(argv) or 0
+    if command == "stream":
+        from .bench.stream import main as stream_main
+        return stream_main(argv) or 0
     if command == "demo":
         from .demo import main as demo_main
         return demo_main(argv) or 0
-    print(f"unknown command {command!r}; use 'bench' or 'demo'", file=sys.stderr)
+    print(f"unknown command {command!r}; use 'bench', 'stream' or 'demo'", file=sys.stderr)
     return 2
 
 

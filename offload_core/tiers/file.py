@@ -98,6 +98,7 @@ class FileTier(Tier):
         self._files: Dict[Hashable, _LayerFile] = {}
         self._failed: Optional[BaseException] = None
         self._stuck: List[str] = []
+        self._filling: Dict[int, cf.Future] = {}  # host slot address -> the last load queued into it
 
     # -- writing ---------------------------------------------------------------------------------------------
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
@@ -177,9 +178,15 @@ class FileTier(Tier):
     # -- reading ---------------------------------------------------------------------------------------------
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
         entry = self._files[key]
+        # A host slot is filled chunk by chunk by the I/O threads as the chunks arrive, instead of in one copy
+        # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
+        # the side stream, ordered by fences.
+        direct = slot if slot.device.type == "cpu" else None
         if not self._lanes:
-            return Pending(self._finish_read(entry, slot, release, self._start_read(entry)))
-        started = self._lanes["read_start"].submit(functools.partial(self._start_read, entry),
+            return Pending(self._finish_read(entry, slot, release, self._start_read(entry, direct)))
+        # Loads into one slot never overlap: a later one starts filling it only once the earlier one is done.
+        previous = self._filling.get(slot.data_ptr()) if direct is not None else None
+        started = self._lanes["read_start"].submit(functools.partial(self._start_read, entry, direct, previous),
                                                    f"opening {entry.path}")
 
         def finish() -> Fence:
@@ -194,12 +201,25 @@ class FileTier(Tier):
             return self._finish_read(entry, slot, release, opened)
 
         finished = self._lanes["read_finish"].submit(finish, f"the read of {entry.path}")
+        if direct is not None:
+            self._filling[slot.data_ptr()] = finished
         # Cancelled by close() after its start ran: the opened file and the buffer go back here.
         finished.add_done_callback(lambda f: started.add_done_callback(self._abandon_opened) if f.cancelled() else None)
         return Pending(future=finished)
 
-    def _start_read(self, entry: _LayerFile):
-        """Checks the file and queues its chunk reads; returns (staging item, fd, futures)."""
+    def _start_read(self, entry: _LayerFile, direct: Optional[torch.Tensor] = None,
+                    previous: Optional[cf.Future] = None):
+        """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given);
+        returns (staging item, fd, futures)."""
+        if previous is not None:
+            try:
+                previous.result(timeout=io_timeout())
+            except cf.TimeoutError:
+                if not previous.done():
+                    raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
+                                       "read into the same buffer; the disk is not answering.") from None
+            except BaseException:
+                pass  # the earlier load failed: it no longer writes into the slot
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
@@ -228,6 +248,9 @@ class FileTier(Tier):
                                       f"store wrote (first at byte {bad}). It was modified while in use.")
             elif digest(view) != expected:
                 raise corrupted(entry.path, off, n)
+            elif direct is not None:
+                with self._ctx.streams.timed("transfer"):
+                    direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
         jobs = [(0, base, None)] + [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes),
                                                                            entry.digests)]
@@ -247,6 +270,8 @@ class FileTier(Tier):
             wait_all(futures, f"the read of {entry.path}")
             if self.cache_mode == "fadvise":
                 drop_pages(fd)
+            if slot.device.type == "cpu":
+                return fence  # the I/O threads filled the slot chunk by chunk
             streams = self._ctx.streams
             side = streams.side
             with streams.on_side():
@@ -278,6 +303,10 @@ class FileTier(Tier):
             self._reads.release(item)
         else:  # still being read into: leave buffer and descriptor alone
             self._reads.quarantine(item)
+
+    def flush(self) -> None:
+        """Waits (bounded) until every layer stored so far is on disk; raises the first write error."""
+        wait_all([e.write for e in self._files.values() if e.write is not None], f"the writes in {self.directory}")
 
     # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:

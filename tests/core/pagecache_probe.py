@@ -50,7 +50,8 @@ def main():
         store.put(i, k, v)
         del k, v
     baseline, peak, exact = proc.memory_info().rss, 0, True
-    store.get(0)  # the FIFO I/O thread has finished every write once this read is back
+    store._tier.flush()  # every write is on disk
+    store.get(0)
     for i in list(range(1, layers)) + [0]:
         k, v = store.get(i)
         exact &= int(k[-1]) == (numel - 1) * (i + 1) and int(v[numel // 2]) == (numel // 2) * -(i + 2)

@@ -29,9 +29,7 @@ def layer_files(store):
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_files_are_safetensors_with_4k_aligned_data(mode, tmp_path):
     store, layers = filled_store(mode, tmp_path)
-    store.get(0)  # the async writes are done once a read has come back (one FIFO I/O thread)
-    store.get(1)
-    store.get(2)
+    store._tier.flush()  # every write is on disk
     files = layer_files(store)
     assert [os.path.basename(f) for f in files] == [f"layer-{i:05d}.safetensors" for i in range(3)]
     for i, path in enumerate(files):
@@ -67,6 +65,7 @@ def test_damaged_file_gives_a_clear_error_naming_it(mode, how, match, tmp_path):
     store, layers = filled_store(mode, tmp_path)
     k, _ = store.get(0)
     assert torch.equal(k, layers[0][0])
+    store._tier.flush()
     target = layer_files(store)[2]
     damage(target, how)
     with pytest.raises(KVFileError, match=match) as info:
