@@ -21,6 +21,7 @@ import concurrent.futures as cf
 import functools
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ FORMAT = {"format": "kv_offload.layer", "version": "2"}
 # Requests in flight per store. Measured on the ext4 virtual disk this was developed on: one 8 MiB stream
 # reaches about 60 % of the disk, four reach its limit, more add nothing; `python -m offload_core stream`
 # measures it on yours (KV_OFFLOAD_IO_DEPTH overrides it).
-IO_DEPTH = max(1, int(os.environ.get("KV_OFFLOAD_IO_DEPTH", "4") or 4))
+IO_DEPTH = int(os.environ["KV_OFFLOAD_IO_DEPTH"]) if os.environ.get("KV_OFFLOAD_IO_DEPTH", "").isdigit() else 4
+IO_DEPTH = min(max(IO_DEPTH, 1), 64)
 
 
 @dataclass
@@ -99,6 +101,8 @@ class FileTier(Tier):
         self._failed: Optional[BaseException] = None
         self._stuck: List[str] = []
         self._filling: Dict[int, cf.Future] = {}  # host slot address -> the last load queued into it
+        self._writing = 0  # writes queued or running (their staging is busy); changed under _count_lock
+        self._count_lock = threading.Lock()
 
     # -- writing ---------------------------------------------------------------------------------------------
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
@@ -110,10 +114,12 @@ class FileTier(Tier):
                            _header(key, layout, [0] * len(pieces)), layout)
         tmp = f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp"
         item = self._writes.acquire(entry.total)
+        self._count(+1)
         try:
             fd = reserve(tmp, entry.total, self.cache_mode)  # a full disk fails here, before anything is queued
         except BaseException:
             self._writes.release(item)
+            self._count(-1)
             raise
         try:
             with self._ctx.streams.timed("transfer"):
@@ -124,6 +130,7 @@ class FileTier(Tier):
             os.close(fd)
             discard(tmp)
             self._writes.release(item)
+            self._count(-1)
             raise
         item[1] = copied  # if the write is cancelled, closing the pool still waits for this copy
         base, mem = len(entry.header), item[0].memory()
@@ -145,6 +152,10 @@ class FileTier(Tier):
         else:
             finish()
         self._files[key] = entry
+
+    def _count(self, change: int) -> None:
+        with self._count_lock:
+            self._writing += change
 
     def _finish_write(self, key, entry: _LayerFile, item: list, fd: int, tmp: str, futures: list) -> None:
         try:
@@ -174,10 +185,13 @@ class FileTier(Tier):
         finally:
             if item is not None:
                 self._writes.release(item)
+            self._count(-1)  # last: a load that sees 0 may free this buffer
 
     # -- reading ---------------------------------------------------------------------------------------------
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
         entry = self._files[key]
+        if self._writing == 0 and self._writes.buffers():
+            self._writes.trim()  # extraction is over: its staging would only hold host RAM from now on
         # A host slot is filled chunk by chunk by the I/O threads as the chunks arrive, instead of in one copy
         # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
         # the side stream, ordered by fences.

@@ -80,7 +80,7 @@ def _try_lock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
-    except BlockingIOError:
+    except OSError:  # held by a live owner; or locks do not work here, so nobody can tell: leave it
         return False
 
 
@@ -147,7 +147,11 @@ class OwnedDir:
         try:
             if fcntl is not None:
                 self._fd = os.open(os.path.join(staging, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:  # e.g. a network filesystem without locks: private, not reclaimable
+                    log.warning("KV offload: cannot lock %s (%s); if this process dies, its cache files there are "
+                                "not reclaimed automatically.", parent, exc)
                 os.write(self._fd, f"{os.getpid()}\n".encode())
             self.path = os.path.join(parent, prefix + os.path.basename(staging)[len(_staging_prefix(prefix)):])
             os.rename(staging, self.path)  # a live directory is never empty, so this cannot replace one

@@ -60,6 +60,21 @@ class StagingPool:
         self._all[self._all.index(item)] = fresh
         self._free.put(fresh)
 
+    def trim(self) -> None:
+        """Frees the buffers of every idle place (call only when no job holds one of this pool's buffers)."""
+        idle = []
+        while True:
+            try:
+                idle.append(self._free.get_nowait())
+            except queue.Empty:
+                break
+        for item in idle:
+            item[1].synchronize()
+            if item[0] is not None:
+                self._allocator.free(item[0])
+            item[0], item[1] = None, DONE
+            self._free.put(item)
+
     def buffers(self) -> List[HostBuffer]:
         return [item[0] for item in self._all if item[0] is not None]
 

@@ -82,3 +82,17 @@ def test_no_temp_files_left_by_writes(tmp_path):
         store.get(key)
     assert not [f for f in layer_files(store) if f.endswith(".tmp")]
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path):
+    # During the cached steps only read staging is needed; the write buffers would hold host RAM for nothing.
+    store, layers = filled_store(mode, tmp_path, n=4)
+    assert store._tier._writes.buffers()
+    store._tier.flush()
+    k, _ = store.get(0)
+    assert torch.equal(k, layers[0][0])
+    assert store._tier._writes.buffers() == []
+    staging = store.stats()["bytes"]["host_pageable"]
+    assert 0 < staging <= (store.depth + 1) * os.path.getsize(layer_files(store)[0])
+    store.close()
