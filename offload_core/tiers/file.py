@@ -37,7 +37,7 @@ from .fileio import (CHECKSUM, KVFileError, KVWriteError, checksum_module, chunk
                      drop_pages, finish_write, header_matches, open_checked, pread_exact, probe_page_cache_mode,
                      pwrite_all, ram_backed, reserve)
 from .fileowner import OwnedDir
-from .iopool import IOPool, IOStuckError, io_timeout, wait_all
+from .iopool import IOPool, IOStuckError, io_timeout, wait_all, when_done
 from .staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -147,17 +147,22 @@ class FileTier(Tier):
         finish = functools.partial(self._finish_write, key, entry, item, fd, tmp, futures)
         if "write" in self._lanes:
             entry.write = self._lanes["write"].submit(finish, what)
-            # A write cancelled by close() never runs `finish`: its file descriptor is closed here instead.
-            entry.write.add_done_callback(lambda f: os.close(fd) if f.cancelled() else None)
+            entry.write.add_done_callback(functools.partial(self._cancelled_write, fd, tmp, item, futures))
         else:
             finish()
         self._files[key] = entry
+
+    def _cancelled_write(self, fd: int, tmp: str, item: list, futures: list, future: cf.Future) -> None:
+        if future.cancelled():  # by close(): `finish` never ran, so its cleanup happens here
+            self._count(-1)
+            when_done(futures, functools.partial(self._drop_write, fd, tmp, item))
 
     def _count(self, change: int) -> None:
         with self._count_lock:
             self._writing += change
 
     def _finish_write(self, key, entry: _LayerFile, item: list, fd: int, tmp: str, futures: list) -> None:
+        fd_open = True
         try:
             digests = wait_all(futures, f"the write of {entry.path}")
             header = _header(key, entry.layout, digests)
@@ -166,19 +171,20 @@ class FileTier(Tier):
             mem[:len(header)] = header
             pwrite_all(fd, mem[:len(header)], 0, tmp)
             entry.header, entry.digests = header, digests
-            finish_write(fd, tmp, entry.path, self.cache_mode, entry.total)
-            fd = -1
+            fd_open = False
+            finish_write(fd, tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames (or discards)
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
                 # A request may still be inside pwrite: its buffer and descriptor are never reused (no later
                 # request may write through a recycled descriptor number into another file).
                 self._writes.quarantine(item)
-                item, fd = None, -1
                 self._stuck.append(f"the write of {entry.path}")
-            if fd >= 0:
-                os.close(fd)
-                discard(tmp)
+            elif fd_open:
+                when_done(futures, functools.partial(self._drop_write, fd, tmp, item))
+            else:
+                self._writes.release(item)
+            item = None
             if isinstance(exc, KVWriteError) and self._failed is None:
                 self._failed = exc
             raise
@@ -186,6 +192,12 @@ class FileTier(Tier):
             if item is not None:
                 self._writes.release(item)
             self._count(-1)  # last: a load that sees 0 may free this buffer
+
+    def _drop_write(self, fd: int, tmp: str, item: list) -> None:
+        """Cleanup of a write that failed or was cancelled, once none of its requests is running."""
+        os.close(fd)
+        discard(tmp)
+        self._writes.release(item)
 
     # -- reading ---------------------------------------------------------------------------------------------
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
@@ -296,27 +308,23 @@ class FileTier(Tier):
                 fence = streams.record(side)
         except IOStuckError:
             self._reads.quarantine(item)  # a request may still be inside preadv: never reuse buffer or descriptor
-            item, fd = None, -1
+            item = None
             self._stuck.append(f"the read of {entry.path}")
             raise
         finally:
-            if fd >= 0:
-                os.close(fd)
-            if item is not None:
-                self._reads.release(item, fence)
+            if item is not None:  # after an interrupt, requests may still run: clean up once they stop
+                when_done(futures, functools.partial(self._drop_read, fd, item, fence))
         return fence
+
+    def _drop_read(self, fd: int, item: list, fence: Fence = DONE) -> None:
+        os.close(fd)
+        self._reads.release(item, fence)
 
     def _abandon_opened(self, future: cf.Future) -> None:
         if future.cancelled() or future.exception() is not None:
             return
         item, fd, futures = future.result()
-        for f in futures:
-            f.cancel()
-        if all(f.done() for f in futures):
-            os.close(fd)
-            self._reads.release(item)
-        else:  # still being read into: leave buffer and descriptor alone
-            self._reads.quarantine(item)
+        when_done(futures, functools.partial(self._drop_read, fd, item))
 
     def flush(self) -> None:
         """Waits (bounded) until every layer stored so far is on disk; raises the first write error."""

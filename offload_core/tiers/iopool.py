@@ -135,3 +135,27 @@ def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = No
     if error is not None:
         raise error
     return [f.result() for f in futures]
+
+
+def when_done(futures: Iterable[Future], then: Callable[[], object]) -> None:
+    """Cancels the jobs of `futures` not yet started and calls `then()` once none is running any more.
+
+    For cleanup after an error or an interrupt: a file descriptor closed, or a buffer reused, while a request
+    still uses it could let that request read or write through a recycled descriptor number.
+    """
+    futures = [f for f in futures if not f.cancel() and not f.done()]
+    if not futures:
+        then()
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for f in futures:
+        f.add_done_callback(one)

@@ -139,3 +139,20 @@ def test_ctrl_c_inside_close_still_deletes_everything_then_raises(mode, tmp_path
     assert os.listdir(tmp_path) == []
     assert store.closed
     store.close()  # idempotent after an interrupted close
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+@pytest.mark.parametrize("mode", MODES)
+def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
+    # Writes and prefetches still queued or running when close() cancels them: each one's file descriptor is
+    # closed once its last request has stopped, never while one could still use the number.
+    data = layers(8, shape=(1, 2, 2048, 128))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+        for key in range(8):
+            store.put(key, *data[key])
+        store.get(0)  # and a prefetch in flight
+        store.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.listdir(tmp_path) == []
