@@ -101,9 +101,11 @@ def test_a_run_leaves_no_directory_behind(monkeypatch, tmp_path):
 
 
 CHILD = """
-import sys, time
-from offload_core.tiers.fileowner import OwnedDir
-d = OwnedDir(sys.argv[1], "run-")
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("fileowner", sys.argv[2])  # stdlib only: no torch to import
+fileowner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fileowner)
+d = fileowner.OwnedDir(sys.argv[1], "run-")
 open(d.path + "/layer-00000.safetensors", "wb").close()
 print(d.path, flush=True)
 sys.stdin.readline()
@@ -121,8 +123,9 @@ def test_only_dead_processes_runs_are_reclaimed_never_a_live_ones(monkeypatch, t
     os.makedirs(root)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": repo}
-    live, dead = (subprocess.Popen([sys.executable, "-c", CHILD, root], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, env=env) for _ in range(2))
+    module = os.path.join(repo, "offload_core", "tiers", "fileowner.py")
+    live, dead = [subprocess.Popen([sys.executable, "-c", CHILD, root, module], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     try:
         live_dir, dead_dir = live.stdout.readline().strip(), dead.stdout.readline().strip()
         dead.send_signal(signal.SIGKILL)
