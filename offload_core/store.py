@@ -243,7 +243,7 @@ class KVStore:
         if slot.buffer is None or slot.buffer.numel() < layout.data_bytes:
             slot.pending.settle()  # the old buffer may still be the target of a copy
             old = slot.buffer.numel() if slot.buffer is not None else 0
-            slot.buffer = torch.empty(layout.data_bytes, dtype=torch.uint8, device=self.device)
+            slot.buffer = self._tier.new_slot(layout.data_bytes, self.device)
             # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
             # a copy on the side stream must not start before they have run.
             slot.release = self._streams.record()

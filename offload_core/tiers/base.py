@@ -96,6 +96,10 @@ class Tier:
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A flat uint8 buffer of `nbytes` on `device` for the store's ring (a tier may want it aligned)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
     def nbytes(self) -> Dict[str, int]:
         raise NotImplementedError
 

@@ -30,6 +30,7 @@ from typing import Dict, Hashable, List, Optional
 import torch
 
 from ..devices import DONE, Fence
+from ..hostmem import HostBuffer
 from ..layout import LayerLayout, copy_in, safetensors_header
 from .base import Pending, Tier, TierContext
 from . import fileio
@@ -101,6 +102,7 @@ class FileTier(Tier):
         self._failed: Optional[BaseException] = None
         self._stuck: List[str] = []
         self._filling: Dict[int, cf.Future] = {}  # host slot address -> the last load queued into it
+        self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
         self._writing = 0  # writes queued or running (their staging is busy); changed under _count_lock
         self._count_lock = threading.Lock()
 
@@ -200,6 +202,14 @@ class FileTier(Tier):
         self._writes.release(item)
 
     # -- reading ---------------------------------------------------------------------------------------------
+    def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """On a CPU, a page-aligned slot, which `O_DIRECT` reads fill directly: no staging copy, no staging RAM."""
+        if device.type != "cpu":
+            return super().new_slot(nbytes, device)
+        buf = HostBuffer(nbytes)
+        self._host_slots[buf.tensor.data_ptr()] = buf  # kept until close: a stuck read may still fill it
+        return buf.tensor
+
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
         entry = self._files[key]
         if self._writing == 0 and self._writes.buffers():
@@ -256,16 +266,19 @@ class FileTier(Tier):
                                    "before reading it back; the disk is not answering.") from None
             except BaseException as exc:
                 raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
-        item = self._reads.acquire(entry.total)
+        base = len(entry.header)
+        target = self._host_slots.get(direct.data_ptr()) if direct is not None else None
+        item = self._reads.acquire(base if target is not None else entry.total)  # the slot takes the data
         try:
             fd = open_checked(entry.path, entry.total, self.cache_mode)
         except BaseException:
             self._reads.release(item)
             raise
-        mem, base = item[0].memory(), len(entry.header)
+        mem = item[0].memory()
+        into = target.memory() if target is not None else None
 
         def read_chunk(off: int, n: int, expected: Optional[int]) -> None:
-            view = mem[off:off + n]
+            view = into[off - base:off - base + n] if into is not None and expected is not None else mem[off:off + n]
             pread_exact(fd, view, off, entry.path)
             if expected is None:
                 bad = header_matches(view, entry.header)
@@ -274,7 +287,7 @@ class FileTier(Tier):
                                       f"store wrote (first at byte {bad}). It was modified while in use.")
             elif digest(view) != expected:
                 raise corrupted(entry.path, off, n)
-            elif direct is not None:
+            elif direct is not None and into is None:
                 with self._ctx.streams.timed("transfer"):
                     direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
@@ -379,6 +392,8 @@ class FileTier(Tier):
             interrupt = interrupt or exc
         finally:
             self._files.clear()
+            if not stuck:
+                self._host_slots.clear()  # the store drops its slots too; nothing reads into them any more
             try:
                 self._owner.delete()
             except KeyboardInterrupt as exc:
