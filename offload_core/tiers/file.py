@@ -5,7 +5,8 @@ staging buffer; its file is created under a temp name with the whole size alloca
 there, in `put`); `IO_DEPTH` I/O threads then hash and write it in chunks, the header with the chunk digests
 goes last, and a rename makes the file whole. Reads: the file is opened and checked (a regular file of the
 right size), read in chunks by the same threads into a read staging buffer, every chunk's digest and the
-header compared with what this store wrote, then the data is copied into the device slot.
+header compared with what this store wrote, then the data is copied into the device slot. A CPU consumer's
+slots are page-aligned (`new_slot`), so there the chunks are read straight into the slot, with no copy.
 
 `file_async` runs the per-layer steps on lanes (one thread each, first-in-first-out, so a layer's read follows
 its write and copies into a slot stay in order): one that finishes writes, one that starts reads and one that
