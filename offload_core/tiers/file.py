@@ -219,10 +219,10 @@ class FileTier(Tier):
         # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
         # the side stream, ordered by fences.
         direct = slot if slot.device.type == "cpu" else None
-        if not self._lanes:
-            return Pending(self._finish_read(entry, slot, release, self._start_read(entry, direct)))
         # Loads into one slot never overlap: a later one starts filling it only once the earlier one is done.
         previous = self._filling.get(slot.data_ptr()) if direct is not None else None
+        if not self._lanes:
+            return Pending(self._finish_read(entry, slot, release, self._start_read(entry, direct, previous)))
         started = self._lanes["read_start"].submit(functools.partial(self._start_read, entry, direct, previous),
                                                    f"opening {entry.path}")
 
@@ -327,12 +327,17 @@ class FileTier(Tier):
             raise
         finally:
             if item is not None:  # after an interrupt, requests may still run: clean up once they stop
-                when_done(futures, functools.partial(self._drop_read, fd, item, fence))
+                gate: cf.Future = cf.Future()
+                if slot.device.type == "cpu" and not self._lanes:  # (file_async orders loads by their futures)
+                    self._filling[slot.data_ptr()] = gate  # the next load into this slot waits for them
+                when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
         return fence
 
-    def _drop_read(self, fd: int, item: list, fence: Fence = DONE) -> None:
+    def _drop_read(self, fd: int, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
         os.close(fd)
         self._reads.release(item, fence)
+        if gate is not None:
+            gate.set_result(None)
 
     def _abandon_opened(self, future: cf.Future) -> None:
         if future.cancelled() or future.exception() is not None:
