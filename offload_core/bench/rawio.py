@@ -66,7 +66,10 @@ def file_limits(directory: str, total: int, chunk: int, depths: List[int]) -> Di
             os.close(fd[0])
             _settle(path, direct)
             fd = _open(path, os.O_RDONLY, direct)
-            read[depth] = _run(depth, chunk, total, lambda off, buf: os.preadv(fd[0], [buf], off))
+            # Twice, the better kept: the tiers' get loop is the better of two passes too, and a disk with a
+            # cache below the OS (a virtual disk) serves a second pass faster.
+            read[depth] = max(_run(depth, chunk, total, lambda off, buf: os.preadv(fd[0], [buf], off))
+                              for _ in range(2))
             os.close(fd[0])
     finally:
         if os.path.exists(path):
