@@ -6,7 +6,7 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
-from .host import wipe_leftovers
+from .host import reclaim_leftovers
 from .qwen21 import qwen21_support
 from .settings_node import KVOffloadSettings
 
@@ -33,7 +33,7 @@ def _register_routes() -> None:
 
 class KVOffloadExtension(ComfyExtension):
     async def on_load(self) -> None:
-        wipe_leftovers()
+        reclaim_leftovers()
         _register_routes()
         log.info("KV Offload: %s", qwen21_support())
 

@@ -6,22 +6,24 @@
   `pin_memory` / `unpin_memory`, so ComfyUI accounts for every page we lock. On `--cpu` and Apple
   `pin_memory` refuses and the engine degrades to pageable memory.
 - streams: ComfyUI's offload stream pool (`get_offload_stream`), shared with weight casting; none on CPU.
-- files: a private directory per run (`RunDir`: `tempfile.mkdtemp`, random name, mode 0700) in a
-  `kv_offload_cache` folder beside ComfyUI's temp directory -- the same disk, but outside the temp, output
-  and input folders that ComfyUI's `/view` serves to any client, so no client can download the cache even
-  if it learns a path. The run's directory is removed when the run closes, the folder when it is empty, and
-  leftovers of a crashed process when the pack loads. No path from a graph is ever used.
+- files: a private directory per run (`RunDir`: random name, mode 0700) in a `kv_offload_cache` folder beside
+  ComfyUI's temp directory -- the same disk, but outside the temp, output and input folders that ComfyUI's
+  `/view` serves to any client, so no client can download the cache even if it learns a path. Each run's
+  directory is locked by its process for the run's life (`OwnedDir`); it is removed when the run closes, the
+  folder when it is empty, and the directories of processes that died (crash, SIGKILL) by the next run or
+  pack load of any ComfyUI sharing the folder -- never those of a live one (two ComfyUIs started from the
+  same install, one per GPU, share it). No path from a graph is ever used.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
 import threading
 
 from ..offload_core import HostServices
+from ..offload_core.tiers.fileowner import OwnedDir, reclaim
 
 log = logging.getLogger(__name__)
 
@@ -54,41 +56,59 @@ class RunDir:
     def __init__(self, root=cache_root):
         self._root = root
         self._lock = threading.Lock()  # file tiers of cond and uncond may ask at once
-        self.path = None
+        self._owned = None
+
+    @property
+    def path(self):
+        return self._owned.path if self._owned is not None else None
 
     def __call__(self) -> str:
         with self._lock:
-            if self.path is None:
+            if self._owned is None:
                 root = self._root()
-                try:
-                    os.makedirs(root, mode=0o700, exist_ok=True)
-                except OSError:  # ComfyUI's folder is read-only here: the OS temp dir is not served either
-                    root = os.path.join(tempfile.gettempdir(), CACHE_DIR)
-                    os.makedirs(root, mode=0o700, exist_ok=True)
-                self.path = tempfile.mkdtemp(prefix="run-", dir=root)
-            return self.path
+                for _ in range(3):  # another process may remove the shared folder the moment it empties
+                    try:
+                        self._owned = OwnedDir(_make_root(root), "run-")  # reclaims dead processes' runs first
+                        break
+                    except FileNotFoundError:
+                        continue
+                else:
+                    self._owned = OwnedDir(_make_root(root), "run-")
+            return self._owned.path
 
     def cleanup(self) -> None:
         with self._lock:
-            path, self.path = self.path, None
-        if path is None:
+            owned, self._owned = self._owned, None
+        if owned is None:
             return
-        shutil.rmtree(path, ignore_errors=True)
+        owned.delete()  # logs whatever cannot be deleted, with the reason
         try:
-            os.rmdir(os.path.dirname(path))  # the shared folder goes too once no run uses it
+            os.rmdir(os.path.dirname(owned.path))  # the shared folder goes too once no run uses it
         except OSError:
             pass
 
 
-def wipe_leftovers() -> None:
-    """Remove what a crashed process left in the cache folder (called once when the pack loads)."""
+def _make_root(root: str) -> str:
+    try:
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    except OSError:  # ComfyUI's folder is read-only here: the OS temp dir is not served either
+        root = os.path.join(tempfile.gettempdir(), CACHE_DIR)
+        os.makedirs(root, mode=0o700, exist_ok=True)
+    return root
+
+
+def reclaim_leftovers() -> None:
+    """Remove the run directories of processes that are gone (called once when the pack loads).
+
+    Only directories whose owner's lock is free: a second ComfyUI using the same folder keeps its live cache.
+    """
     try:
         root = cache_root()
     except Exception:
-        log.debug("no cache folder to wipe", exc_info=True)
+        log.debug("no cache folder to look at", exc_info=True)
         return
     if os.path.isdir(root):
-        shutil.rmtree(root, ignore_errors=True)
+        reclaim(root, "run-")
 
 
 def comfy_host_services(patcher=None) -> HostServices:

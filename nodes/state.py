@@ -22,6 +22,8 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+from ..offload_core import KVWriteError
+
 log = logging.getLogger(__name__)
 
 RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
@@ -156,6 +158,8 @@ class RunState:
 
         `label` ("cond" / "uncond") names the store in logs and in the memory readout.
         """
+        if self.stood_down:  # e.g. the disk filled up earlier in this forward: the capture is off
+            return
         branch = self.branches[u]
         if branch.store is None:
             # The stores of one forward each pick a tier at their first put, against the same free memory: size
@@ -166,7 +170,14 @@ class RunState:
             branch.store = self.store_factory(self.config, k.device, host=self.host,
                                               expected_bytes=per_layer * self.n_layers * together, name=name)
             self._track(name, branch.store)
-        branch.store.put(layer, k, v)
+        try:
+            branch.store.put(layer, k, v)
+        except KVWriteError as exc:
+            # Disk full or failing during the capture. This forward computes every layer from the full input
+            # anyway, so stepping aside (recompute each step, no extra VRAM) finishes the generation, where
+            # moving the cache to the GPU could run out of the VRAM a file mode was picked to save.
+            self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+            return
         branch.layers.add(layer)
         self._tell("progress")  # a capture step can take seconds: the readout shows the stores filling
 

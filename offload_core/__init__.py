@@ -9,7 +9,7 @@ from ._version import package_version
 from .config import HostServices, Mode, OffloadConfig
 from .memory import memory_snapshot
 from .store import KVStore
-from .tiers import KVFileError
+from .tiers import KVFileError, KVWriteError
 
-__all__ = ["HostServices", "KVFileError", "KVStore", "Mode", "OffloadConfig", "memory_snapshot"]
+__all__ = ["HostServices", "KVFileError", "KVStore", "KVWriteError", "Mode", "OffloadConfig", "memory_snapshot"]
 __version__ = package_version()  # from pyproject.toml: the one place the version is written

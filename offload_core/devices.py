@@ -79,6 +79,12 @@ class Streams:
         self.seconds = {"transfer": 0.0, "wait": 0.0}
 
     @property
+    def immediate(self) -> bool:
+        """True when every operation has run by the time it returns (no CUDA): host code may then touch device
+        buffers directly, e.g. the file tier's I/O threads filling a CPU slot, with no stream work to order."""
+        return not self.cuda
+
+    @property
     def side(self):
         """The copy stream (created on first use), or None when copies run on the consumer's stream."""
         if not self.asynchronous:

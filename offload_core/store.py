@@ -30,7 +30,7 @@ from .devices import DONE, Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
 from .hostmem import HostAllocator, pin_room
 from .layout import LayerLayout, layout_for, views
-from .plan import ASSUMED_LAYERS, DEVICE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
+from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Pending, Tier, TierContext
@@ -170,6 +170,8 @@ class KVStore:
             parent = self.config.file_dir or (self._host.temp_dir() if self._host.temp_dir else None)
             opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
             tier = self._tiers[place] = open_tier(place, self._ctx, opts)
+            if tier.note:  # e.g. files on a RAM-backed filesystem: the stats say why this place saves no RAM
+                self.reason = f"{self.reason}; {tier.note}"
         return tier
 
     @engine_mode
@@ -364,14 +366,20 @@ class KVStore:
         grown = 0
         if small:
             grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
-            slot.buffer = self._streams.empty(nbytes)
+            slot.buffer = self._new_slot(nbytes)
         if small_coded:
             grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
-            slot.coded = self._streams.empty(coded)
+            slot.coded = self._new_slot(coded)
         # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
         # a copy on the side stream must not start before they have run.
         slot.release = self._streams.record()
         self._stats.add_device(grown, layers=0)
+
+    def _new_slot(self, nbytes: int) -> torch.Tensor:
+        files = self._tiers.get(FILE)
+        if files is not None and self._streams.immediate:  # a CPU slot the file tier's O_DIRECT reads fill in place
+            return files.new_slot(nbytes, self.device)
+        return self._streams.empty(nbytes)
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -37,3 +37,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """`mount_tmpfs(size)` mounts a real tmpfs of `size` (e.g. "8m") and returns its path; unmounted after the test.
+
+    Skips, with the reason, where this process may not mount (not root, no CAP_SYS_ADMIN in a container)."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str = "16m") -> str:
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root")
+        mounted.append(where)
+        return str(where)
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)

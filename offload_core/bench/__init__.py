@@ -1,5 +1,13 @@
-"""The benchmark behind `python -m offload_core bench`; `main(argv)` is its entry point."""
+"""The benchmark behind `python -m offload_core bench`; `main(argv)` is its entry point.
 
-from .cli import main
+Imported lazily: `python -m offload_core stream` (in `stream.py`) needs neither diffusers nor the models.
+"""
+
+
+def main(argv=None):
+    from .cli import main as cli_main
+
+    return cli_main(argv)
+
 
 __all__ = ["main"]

@@ -23,7 +23,7 @@ import logging
 import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
 
-from .. import KVStore
+from .. import KVStore, KVWriteError
 from .session import OffloadSession
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,36 @@ class OffloadedFlux2KVCache(Flux2KVCache):
 
 
 class _Extract:
-    """State of the extract call in flight: its store, or None outside an extract call."""
+    """State of the extract call in flight: its store (None outside an extract call) and its write error."""
 
     store: KVStore | None = None
+    failed: Exception | None = None  # the store could not write its files: the rest stays on the device
+
+
+def _put(extract: _Extract, store: KVStore, key, layer: Flux2KVLayerCache) -> bool:
+    """Moves `layer` into `store`; False (the layer stays where it is) once a write has failed."""
+    if extract.failed is not None:
+        return False
+    try:
+        store.put(key, layer.k_ref, layer.v_ref)
+        return True
+    except KVWriteError as exc:
+        extract.failed = exc
+        return False
+
+
+def _keep_upstream(session: OffloadSession, store: KVStore, upstream, error: Exception) -> None:
+    """Falls back to `gpu`: the layers already moved come back into the pipeline's own cache on the device.
+
+    Not recompute: after step 0 this pipeline no longer passes the reference tokens, so they cannot be
+    recomputed; upstream's device-resident cache is what the pipeline does without us.
+    """
+    for kind, layers in (("double", upstream.double_block_caches), ("single", upstream.single_block_caches)):
+        for index, layer in enumerate(layers):
+            if layer.k_ref is None:
+                k, v = store.get((kind, index))  # valid until the next get: cloned
+                layer.k_ref, layer.v_ref = k.clone(), v.clone()
+    session.fall_back(store, "the reference cache stays on the device (mode 'gpu')", error)
 
 
 def _blocks(transformer) -> list:
@@ -86,7 +113,7 @@ def install(session: OffloadSession, transformer) -> None:
 
     @torch.compiler.disable
     def open_store(module, args, kwargs):
-        extract.store = None
+        extract.store, extract.failed = None, None
         if kwargs.get("kv_cache_mode") == "extract" and kwargs.get("num_ref_tokens", 0) > 0:
             if block_hooks and _blocks_compiled(module):
                 _drop_block_hooks(block_hooks)
@@ -107,8 +134,11 @@ def install(session: OffloadSession, transformer) -> None:
         # no layer is ever dropped.
         for kind, layers in (("double", upstream.double_block_caches), ("single", upstream.single_block_caches)):
             for index, layer in enumerate(layers):
-                if layer.k_ref is not None:
-                    store.put((kind, index), layer.k_ref, layer.v_ref)
+                if layer.k_ref is not None and _put(extract, store, (kind, index), layer):
+                    layer.clear()
+        if extract.failed is not None:
+            _keep_upstream(session, store, upstream, extract.failed)
+            return None
         ours = OffloadedFlux2KVCache(store, len(upstream.double_block_caches), len(upstream.single_block_caches),
                                      upstream.num_ref_tokens, on_clear=session.end_request)
         upstream.clear()
@@ -144,10 +174,9 @@ def _block_hook(extract: _Extract, key: tuple[str, int]):
         if store is None:
             return None
         layer = (kwargs.get("joint_attention_kwargs") or {}).get("kv_cache")
-        if isinstance(layer, Flux2KVLayerCache) and layer.k_ref is not None:
+        if isinstance(layer, Flux2KVLayerCache) and layer.k_ref is not None and _put(extract, store, key, layer):
             # The processor stored clones of this block's reference K/V; the store takes its own copy, and
             # clearing drops the device tensors before the next block allocates.
-            store.put(key, layer.k_ref, layer.v_ref)
             layer.clear()
         return None
 

@@ -16,7 +16,7 @@ import math
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache, QwenImage21KVLayerCache
 
-from .. import KVStore, Mode
+from .. import KVStore, KVWriteError, Mode
 from .session import OffloadSession
 
 _IMG_TOKENS_PER_SLOT = 4  # one vision-language image slot stands for 2x2 latent tokens
@@ -33,10 +33,12 @@ class OffloadedQwenKVCache(QwenImage21KVCache):
     No `.to()` method on purpose: accelerate's `send_to_device` would call it on every block.
     """
 
-    def __init__(self, kv_store: KVStore, num_layers: int):
+    def __init__(self, kv_store: KVStore, num_layers: int, on_write_error=None):
         self.kv_store = kv_store
         self.num_layers = num_layers
         self.extracting = True
+        self.failed = False  # the store could not write its files: the request recomputes instead
+        self._on_write_error = on_write_error
         self.layer_caches = [QwenImage21KVLayerCache()]  # the one layer in flight, for code that walks the list
         self._filled: int | None = None
 
@@ -55,8 +57,16 @@ class OffloadedQwenKVCache(QwenImage21KVCache):
     def flush(self) -> None:
         """Moves the layer filled by the last extract block into the store and drops the device tensors."""
         layer = self.layer_caches[0]
-        if self._filled is not None and layer.k is not None:
-            self.kv_store.put(self._filled, layer.k, layer.v)
+        if self._filled is not None and layer.k is not None and not self.failed:
+            try:
+                self.kv_store.put(self._filled, layer.k, layer.v)
+            except KVWriteError as exc:
+                # This extract forward computes every block from the full input anyway; later steps run
+                # without a cache (as mode 'off'), which needs no memory that a file mode was picked to save.
+                self.failed = True
+                if self._on_write_error is None:
+                    raise
+                self._on_write_error(exc)
         self._filled = None
         layer.k = layer.v = None
 
@@ -80,6 +90,8 @@ def install(session: OffloadSession, transformer) -> None:
             ours = session.bound(upstream)
             if ours is None:
                 return None  # filled before offload was enabled: leave the upstream cache in charge
+            if ours.failed:  # its files could not be written: recompute the prefix, as mode 'off' does
+                return args, {**kwargs, "kv_cache": None, "kv_cache_mode": None}
             ours.extracting = False
         return args, {**kwargs, "kv_cache": ours}
 
@@ -98,7 +110,8 @@ def _open_cache(session: OffloadSession, transformer, kwargs) -> OffloadedQwenKV
     hidden = kwargs["hidden_states"]
     layers = len(transformer.transformer_blocks)
     store = session.open_store(hidden.device, _expected_bytes(transformer, kwargs, layers))
-    return OffloadedQwenKVCache(store, layers)
+    return OffloadedQwenKVCache(store, layers, lambda exc: session.fall_back(
+        store, "recomputing the prefix every step (as mode 'off')", exc))
 
 
 def _expected_bytes(transformer, kwargs, layers: int) -> int | None:

@@ -47,6 +47,7 @@ class OffloadSession:
         self._bindings: dict[int, tuple[object, object]] = {}  # id(upstream cache) -> (upstream, ours)
         self._hooks: list = []
         self._decode_owner = None
+        self._fallbacks: dict[int, str] = {}  # id(store) -> what the request does instead, and why
 
     # -- stores --------------------------------------------------------------------------------------------
     def open_store(self, device: torch.device, expected_bytes: int | None) -> KVStore:
@@ -63,6 +64,15 @@ class OffloadSession:
     def bound(self, upstream):
         entry = self._bindings.get(id(upstream))
         return entry[1] if entry is not None and entry[0] is upstream else None
+
+    def fall_back(self, store: KVStore, instead: str, error: Exception) -> None:
+        """`store` could not write its files (disk full, I/O error): the request goes on `instead` (e.g.
+        "recomputing the prefix every step"), says so in a warning and in `last_stats[...]["fallback"]`, and
+        the store's files are deleted now."""
+        reason = f"{error}; {instead} for this request"
+        self._fallbacks[id(store)] = reason
+        logger.warning("KV offload [%s]: %s", store.name, reason)
+        store.close()
 
     @property
     def live_stores(self) -> list[KVStore]:
@@ -81,7 +91,7 @@ class OffloadSession:
         stats, errors = [], []
         for store in stores:  # every store gets closed, whatever fails on the way (a Ctrl-C included)
             try:
-                stats.append(store.stats())
+                stats.append({**store.stats(), "fallback": self._fallbacks.pop(id(store), None)})
             except BaseException as exc:
                 errors.append(exc)
             try:

@@ -3,7 +3,7 @@
 from .base import Pending, Tier, TierContext
 from .device import DeviceTier
 from .file import FileTier
-from .fileio import KVFileError
+from .fileio import KVFileError, KVWriteError
 from .ram import RamTier
 
-__all__ = ["DeviceTier", "FileTier", "KVFileError", "Pending", "RamTier", "Tier", "TierContext"]
+__all__ = ["DeviceTier", "FileTier", "KVFileError", "KVWriteError", "Pending", "RamTier", "Tier", "TierContext"]

@@ -7,6 +7,7 @@ A tier knows *how* to keep a layer and how to copy it into a device slot; the st
 from __future__ import annotations
 
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Dict, Hashable, Optional, Tuple
 
@@ -38,7 +39,7 @@ class Pending:
     def wait(self, stream) -> None:
         """Blocks the host until the data is queued, then orders `stream` after the copy (no host sync)."""
         if self._future is not None:
-            self._fence = self._future.result(timeout=TRANSFER_TIMEOUT_S)
+            self._fence = _result(self._future)
             self._future = None
         self._fence.make_wait(stream)
 
@@ -59,7 +60,7 @@ class Pending:
         future = self._future
         try:
             if future is not None:
-                self._fence = future.result(timeout=TRANSFER_TIMEOUT_S)
+                self._fence = _result(future)
                 self._future = None
             self._fence.synchronize()
         except BaseException as exc:
@@ -80,6 +81,16 @@ def check_unmodified(key: Hashable, version: int, served: int) -> None:
             "before changing them. This layer is not served again as it is; recompute the prefix.")
 
 
+def _result(future: Future) -> Fence:
+    try:
+        return future.result(timeout=TRANSFER_TIMEOUT_S)
+    except FutureTimeout:
+        if future.done():
+            raise  # the load failed with a timeout of its own, whose message says what it waited for
+        raise TimeoutError(f"KV offload: a layer load did not finish within {TRANSFER_TIMEOUT_S:.0f} s (waiting for "
+                           "its background read and copy); the disk or device is not answering.") from None
+
+
 class Tier:
     """Where a store keeps its layers between uses.
 
@@ -95,6 +106,7 @@ class Tier:
 
     name = "base"
     on_device = False
+    note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         raise NotImplementedError
@@ -104,6 +116,10 @@ class Tier:
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A flat uint8 buffer of `nbytes` on `device` for the store's ring (a tier may want it aligned)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def nbytes(self) -> Dict[str, int]:
         raise NotImplementedError

@@ -1,29 +1,85 @@
-"""Whole-file reads and atomic writes of layer files, keeping the OS page cache out when asked.
+"""Layer files on disk: checked opens, chunked parallel reads and writes, checksums, page-cache bypass.
 
 `O_DIRECT` needs the buffer, the offset and the length aligned to the block size; our buffers are anonymous
-mmaps (page-aligned) and layer files are multiples of 4 KiB, so one probe per directory decides whether it
-works there (tmpfs, overlayfs and NFS refuse it; macOS has no `O_DIRECT`). Where it does not, reads and
-writes are buffered and followed by `posix_fadvise(DONTNEED)` — after `fdatasync` for writes, since the kernel
-does not drop dirty pages.
+mmaps (page-aligned), layer files are multiples of 4 KiB and chunks are multiples of 1 MiB, so one probe per
+directory decides whether it works there (overlayfs and NFS may refuse it; macOS has no `O_DIRECT`). Where it
+does not, reads and writes are buffered and followed by `posix_fadvise(DONTNEED)` — after `fdatasync` for
+writes, since the kernel does not drop dirty pages.
+
+Every chunk of a layer's data has an xxh3-64 digest, computed by the I/O thread that writes or reads it (off
+the consumer's path) and kept both in the file's header and in the store's memory; a read whose data, header
+or size differ from what was written is a `KVFileError` naming the file, never wrong K/V.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import logging
 import os
+import stat
+import sys
 import uuid
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from ..hostmem import HostBuffer
 
 log = logging.getLogger(__name__)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-CHUNK = 16 << 20  # 16 MiB per syscall: measured fastest for sequential O_DIRECT reads on this class of disk
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO put in place of a layer must not block the open
+CHUNK = 8 << 20  # bytes per request; several in flight (see file.IO_DEPTH) keep the disk's queue full
+CHECKSUM = "xxh3_64"
+
+# statfs f_type of filesystems whose files live in RAM (linux/magic.h): a file tier there saves no memory.
+RAM_FILESYSTEMS = {0x01021994: "tmpfs", 0x858458F6: "ramfs", 0x958458F6: "hugetlbfs"}
 
 
 class KVFileError(RuntimeError):
-    """A layer file is missing, truncated or not what this store wrote."""
+    """A layer file is missing, damaged, unreadable or not what this store wrote (the message names it)."""
+
+
+class KVWriteError(KVFileError):
+    """A layer file could not be written (disk full, I/O error): nothing partial is left behind."""
+
+
+def checksum_module():
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError("The file tiers checksum every layer with xxhash, which is not installed. Install it with "
+                          "`pip install xxhash` (or pick a RAM or gpu mode).") from None
+    return xxhash
+
+
+def digest(view: memoryview) -> int:
+    """xxh3-64 of `view` (releases the GIL, so I/O threads hash in parallel)."""
+    return checksum_module().xxh3_64_intdigest(view)
+
+
+def chunks(start: int, end: int, size: Optional[int] = None) -> List[Tuple[int, int]]:
+    """(offset, length) pieces of the byte range [start, end), `CHUNK` bytes each by default."""
+    size = size or CHUNK
+    return [(off, min(size, end - off)) for off in range(start, end, size)]
+
+
+def ram_backed(directory: str) -> Optional[str]:
+    """The name of the RAM-backed filesystem `directory` is on (tmpfs, ramfs...), else None."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name or not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(libc_name, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a C long
+        if libc.statfs(os.fsencode(directory), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    return RAM_FILESYSTEMS.get(f_type)
 
 
 def probe_page_cache_mode(directory: str, bypass: bool) -> str:
@@ -57,65 +113,160 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
             pass
 
 
-def _drop_pages(fd: int) -> None:
+def drop_pages(fd: int) -> None:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def write_atomic(path: str, buf: HostBuffer, length: int, cache_mode: str) -> None:
-    """Writes `buf[:length]` to `path` via a temp name + rename, so no reader ever sees a partial file."""
-    tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if cache_mode == "o_direct" else 0)
-    view = buf.memory()
+def _cause(exc: OSError) -> str:
+    return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc}"
+
+
+# -- writing -----------------------------------------------------------------------------------------------
+def reserve(path: str, length: int, cache_mode: str) -> int:
+    """Creates `path` (a temp name) with `length` bytes allocated; returns its fd, opened for writing.
+
+    Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
+    instead of in a background write later.
+    """
     try:
-        fd = os.open(tmp, flags, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise write_error(path, length, exc) from None
+    try:
+        if hasattr(os, "posix_fallocate"):
+            try:
+                os.posix_fallocate(fd, 0, length)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+        if cache_mode == "o_direct":
+            import fcntl
+
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+    except OSError as exc:
+        os.close(fd)
+        discard(path)
+        raise write_error(path, length, exc) from None
+    return fd
+
+
+def write_error(path: str, length: int, exc: OSError) -> KVWriteError:
+    directory = os.path.dirname(path)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            done = 0
-            while done < length:
-                done += os.pwrite(fd, view[done:min(length, done + CHUNK)], done)
-            if cache_mode == "fadvise":
-                os.fdatasync(fd)  # dirty pages cannot be dropped; flush them first
-                _drop_pages(fd)
-        finally:
-            os.close(fd)
+            st = os.statvfs(directory)
+            free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        return KVWriteError(f"KV offload: the disk holding {directory!r} is full ({_cause(exc)}): a layer file needs "
+                            f"{length / 2**20:.1f} MiB, {free}. Free space there, point `file_dir` at a bigger "
+                            "disk, or pick a RAM mode.")
+    return KVWriteError(f"KV offload: could not write layer file {path!r} in {directory!r} ({_cause(exc)}); "
+                        f"{length / 2**20:.1f} MiB were to be written.")
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            raise write_error(path, len(view), exc) from None
+        if n <= 0:
+            raise KVWriteError(f"KV offload: writing layer file {path!r} made no progress at byte {offset + done}.")
+        done += n
+
+
+def finish_write(fd: int, tmp: str, path: str, cache_mode: str, length: int) -> None:
+    """Flushes as `cache_mode` needs, closes `fd` and renames `tmp` to `path` (atomic for readers)."""
+    try:
+        if cache_mode == "fadvise":
+            os.fdatasync(fd)  # dirty pages cannot be dropped; flush them first
+            drop_pages(fd)
+        # No fsync for O_DIRECT: the data is on the device, and a cache that a crash interrupts is garbage anyway
+        # (the next store reclaims it); the rename is what makes the file whole for this process's readers.
+        os.close(fd)
+        fd = -1
         os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        discard(tmp)
+        raise write_error(path, length, exc) from None
 
 
-def read_exact(path: str, buf: HostBuffer, length: int, cache_mode: str) -> None:
-    """Reads the whole file `path` (exactly `length` bytes) into `buf`; raises KVFileError otherwise."""
-    flags = os.O_RDONLY | (O_DIRECT if cache_mode == "o_direct" else 0)
+def discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("KV offload: could not remove %r (%s)", path, exc)
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+def open_checked(path: str, length: int, cache_mode: str) -> int:
+    """An fd of the regular file `path` of exactly `length` bytes, or a `KVFileError` saying what it is instead."""
+    flags = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK | (O_DIRECT if cache_mode == "o_direct" else 0)
     try:
         fd = os.open(path, flags)
     except FileNotFoundError:
         raise KVFileError(f"KV layer file {path!r} is missing: it was deleted while the cache was in use. "
                           "Keep the cache directory untouched until the run ends.") from None
+    except OSError as exc:
+        try:
+            kind = _kind(os.lstat(path).st_mode)
+        except OSError:
+            kind = None
+        what = f"is {kind}, and cannot be opened" if kind not in (None, "a regular file") else "cannot be opened"
+        raise KVFileError(f"KV layer file {path!r} {what} ({_cause(exc)}); it was replaced or changed while the "
+                          "cache was in use.") from None
     try:
-        size = os.fstat(fd).st_size
-        if size != length:
-            raise KVFileError(f"KV layer file {path!r} has {size} bytes, expected {length}: it was truncated or "
-                              "overwritten while the cache was in use.")
-        view = buf.memory()
-        done = 0
-        while done < length:
-            n = os.preadv(fd, [view[done:min(length, done + CHUNK)]], done)
-            if n <= 0:
-                raise KVFileError(f"KV layer file {path!r} ended after {done} of {length} bytes.")
-            done += n
-        if cache_mode == "fadvise":
-            _drop_pages(fd)
-    finally:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise KVFileError(f"KV layer file {path!r} is {_kind(st.st_mode)}, not the file this store wrote: it "
+                              "was replaced while the cache was in use.")
+        if st.st_size != length:
+            raise KVFileError(f"KV layer file {path!r} has {st.st_size} bytes, expected {length}: it was truncated "
+                              "or overwritten while the cache was in use.")
+    except BaseException:
         os.close(fd)
+        raise
+    return fd
 
 
-def header_matches(buf: HostBuffer, header: bytes) -> Optional[int]:
-    """None if `buf` starts with `header`, else the first differing byte offset."""
-    got = bytes(buf.memory()[:len(header)])
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a device"
+
+
+def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(view):
+        try:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        except OSError as exc:
+            raise KVFileError(f"KV layer file {path!r} could not be read at byte {offset + done} "
+                              f"({_cause(exc)}).") from None
+        if n <= 0:
+            raise KVFileError(f"KV layer file {path!r} ended at byte {offset + done}, expected more: it was "
+                              "truncated while the cache was in use.")
+        done += n
+
+
+def corrupted(path: str, offset: int, length: int) -> KVFileError:
+    return KVFileError(f"KV layer file {path!r} is corrupted: the {CHECKSUM} checksum of bytes {offset}-"
+                       f"{offset + length} differs from what this store wrote. It was modified while in use, or the "
+                       "disk returned bad data.")
+
+
+def header_matches(got: memoryview, header: bytes) -> Optional[int]:
+    """None if `got` equals `header`, else the first differing byte offset."""
+    got = bytes(got)
     if got == header:
         return None
     return next((i for i, (a, b) in enumerate(zip(got, header)) if a != b), len(header))

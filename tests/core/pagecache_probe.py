@@ -50,14 +50,15 @@ def main():
         store.put(i, k, v)
         del k, v
     baseline, peak, exact = proc.memory_info().rss, 0, True
-    store.get(0)  # the FIFO I/O thread has finished every write once this read is back
+    store._tier.flush()  # every write is on disk
+    store.get(0)
     for i in list(range(1, layers)) + [0]:
         k, v = store.get(i)
         exact &= int(k[-1]) == (numel - 1) * (i + 1) and int(v[numel // 2]) == (numel // 2) * -(i + 2)
         peak = max(peak, proc.memory_info().rss)
     stats = store.stats()
     directory = stats["file_dir"]
-    files = [os.path.join(directory, f) for f in os.listdir(directory)]
+    files = [os.path.join(directory, f) for f in os.listdir(directory) if not f.startswith(".")]
     cache_bytes = sum(os.path.getsize(f) for f in files)
     resident = sum(resident_bytes(f) for f in files)
     store.close()

@@ -315,6 +315,8 @@ class SimStreams(Streams):
         self.sim = sim
         self.asynchronous = asynchronous  # as on CUDA: the async tiers get a side stream
 
+    immediate = False  # queued work runs only when ordered, as on CUDA
+
     @property
     def side(self):
         if not self.asynchronous:

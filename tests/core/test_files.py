@@ -23,15 +23,13 @@ def filled_store(mode, tmp_path, n=3, dtype=torch.bfloat16):
 
 def layer_files(store):
     directory = store.stats()["file_dir"]
-    return sorted(os.path.join(directory, f) for f in os.listdir(directory))
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if not f.startswith("."))
 
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_files_are_safetensors_with_4k_aligned_data(mode, tmp_path):
     store, layers = filled_store(mode, tmp_path)
-    store.get(0)  # the async writes are done once a read has come back (one FIFO I/O thread)
-    store.get(1)
-    store.get(2)
+    store._tier.flush()  # every write is on disk
     files = layer_files(store)
     assert [os.path.basename(f) for f in files] == [f"layer-{i:05d}.safetensors" for i in range(3)]
     for i, path in enumerate(files):
@@ -67,6 +65,7 @@ def test_damaged_file_gives_a_clear_error_naming_it(mode, how, match, tmp_path):
     store, layers = filled_store(mode, tmp_path)
     k, _ = store.get(0)
     assert torch.equal(k, layers[0][0])
+    store._tier.flush()
     target = layer_files(store)[2]
     damage(target, how)
     with pytest.raises(KVFileError, match=match) as info:
@@ -82,4 +81,18 @@ def test_no_temp_files_left_by_writes(tmp_path):
     for key in range(6):
         store.get(key)
     assert not [f for f in layer_files(store) if f.endswith(".tmp")]
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path):
+    # During the cached steps only read staging is needed; the write buffers would hold host RAM for nothing.
+    store, layers = filled_store(mode, tmp_path, n=4)
+    assert store._tier._writes.buffers()
+    store._tier.flush()
+    k, _ = store.get(0)
+    assert torch.equal(k, layers[0][0])
+    assert store._tier._writes.buffers() == []
+    staging = store.stats()["bytes"]["host_pageable"]
+    assert 0 < staging <= (store.depth + 1) * os.path.getsize(layer_files(store)[0])
     store.close()

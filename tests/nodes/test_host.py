@@ -100,9 +100,45 @@ def test_a_run_leaves_no_directory_behind(monkeypatch, tmp_path):
     assert [p for p in tmp_path.rglob("*") if p.is_dir()] == []
 
 
-def test_leftovers_of_a_crashed_process_are_wiped_at_load(monkeypatch, tmp_path):
+CHILD = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("fileowner", sys.argv[2])  # stdlib only: no torch to import
+fileowner = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(fileowner)
+d = fileowner.OwnedDir(sys.argv[1], "run-")
+open(d.path + "/layer-00000.safetensors", "wb").close()
+print(d.path, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_only_dead_processes_runs_are_reclaimed_never_a_live_ones(monkeypatch, tmp_path):
+    # Two ComfyUIs started from one install (one per GPU) share the cache folder: the pack's start-up and every
+    # new run remove what a killed process left, and leave the other live process's cache alone.
+    import signal
+    import subprocess
+
     install(monkeypatch, tmp_path)
-    path = host_mod.comfy_host_services().temp_dir()
-    open(os.path.join(path, "layer-00000.safetensors"), "wb").close()
-    host_mod.wipe_leftovers()
-    assert not os.path.exists(path) and [p for p in tmp_path.rglob("*")] == []
+    root = host_mod.cache_root()
+    os.makedirs(root)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo}
+    module = os.path.join(repo, "offload_core", "tiers", "fileowner.py")
+    live, dead = [subprocess.Popen([sys.executable, "-c", CHILD, root, module], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        live_dir, dead_dir = live.stdout.readline().strip(), dead.stdout.readline().strip()
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(30)
+        host_mod.reclaim_leftovers()  # what the pack does when it loads
+        assert not os.path.exists(dead_dir)
+        assert os.path.exists(os.path.join(live_dir, "layer-00000.safetensors"))
+        run_dir = host_mod.comfy_host_services().temp_dir  # a new run in this process: also leaves it alone
+        path = run_dir()
+        assert os.path.isdir(live_dir) and path != live_dir
+        run_dir.cleanup()
+        assert not os.path.exists(path) and os.path.isdir(live_dir)
+    finally:
+        live.stdin.close()
+        live.wait(30)
+        dead.wait(30)

@@ -113,3 +113,16 @@ def test_a_caching_mode_lifts_an_upstream_off(tmp_path):
     out, _ = run("ram_sync", tmp_path, model_options=upstream_off)
     assert Spy.made and Spy.made[0].stats()["gets"] > 0
     assert torch.equal(out, run("gpu", tmp_path)[0])
+
+
+@pytest.mark.parametrize("cfg", [None, 3.0])
+def test_a_full_disk_during_the_fill_pass_falls_back_to_recompute(mount_tmpfs, tmp_path, cfg, caplog):
+    import logging
+
+    where = mount_tmpfs("24k")  # the lock file and one layer file fit, the next does not
+    with caplog.at_level(logging.WARNING):
+        ours, _ = run("file_sync", where, cfg)
+    off, _ = run("off", tmp_path, cfg)
+    assert torch.equal(ours, off)  # the image is made, as without a cache
+    assert [r for r in caplog.records if "the cache files could not be written" in r.getMessage()]
+    assert [f for _, _, fs in os.walk(where) for f in fs] == []

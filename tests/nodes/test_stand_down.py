@@ -99,3 +99,20 @@ def test_a_close_error_does_not_replace_an_interrupt(tmp_path, caplog):
     assert warnings_of(caplog, "closing the cache after a failed run also failed")
     with pytest.raises(RuntimeError, match="close failed"):  # without an exception in flight it is raised
         sample(dm, patched.options(), noise, refs, txts)
+
+
+# --- a disk that fills up during the capture ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+@pytest.mark.parametrize("cfg", [None, 3.0])
+def test_a_full_disk_during_capture_falls_back_to_recompute(mode, cfg, mount_tmpfs, tmp_path, caplog):
+    where = mount_tmpfs("24k")  # the lock file and one 12 KiB layer file fit, the second layer does not
+    dm, patched = patched_tiny(mode, where)
+    noise, refs, txts = inputs(0, cfg=cfg is not None)
+    with caplog.at_level(logging.WARNING):
+        out = sample(dm, patched.options(), noise, refs, txts, cfg=cfg)
+    # The generation finishes, identical to recomputing the reference every step, and says why once.
+    assert torch.equal(out, run_mode("off", tmp_path, cfg=cfg))
+    found = warnings_of(caplog, "the cache files could not be written")
+    assert len(found) == 1 and "is full" in found[0].getMessage() and "recomputed every step" in found[0].getMessage()
+    assert no_files(where) == []

@@ -1,0 +1,161 @@
+"""A few daemon threads doing blocking file I/O, with bounded waits and a way to walk away from a stuck one.
+
+`concurrent.futures.ThreadPoolExecutor` joins its workers at interpreter exit, so one `pread` stuck in the
+kernel (a dead NFS server, a failing disk) would hang the process for ever. These workers are daemon
+threads: `shutdown(timeout)` cancels queued jobs, waits a bounded time for running ones and reports what the
+ones still running were doing, so the caller can abandon them (and the buffers they write into) and go on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Callable, Dict, Iterable, List, Optional
+
+
+def _env_seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        value = default
+    return value if value > 0 else default
+
+
+# The longest any single file operation (one layer's read or write, or the wait for one) may take before it
+# counts as stuck. Read at call time, so tests (and users with slow network disks) can change it.
+IO_TIMEOUT_S = _env_seconds("KV_OFFLOAD_IO_TIMEOUT_S", 120.0)
+
+
+def io_timeout() -> float:
+    return IO_TIMEOUT_S
+
+
+class IOStuckError(TimeoutError):
+    """An I/O job did not finish in time and may still be running: whatever buffer it uses must not be reused."""
+
+
+class IOPool:
+    """`workers` daemon threads running submitted jobs first-in-first-out (one worker: a strictly ordered lane)."""
+
+    def __init__(self, workers: int, name: str):
+        self.name = name
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._running: Dict[threading.Thread, str] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, what: str) -> Future:
+        """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"KV offload: I/O pool {self.name} is shut down; cannot run {what}.")
+            self._jobs.put((future, fn, what))
+        return future
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            future, fn, what = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            with self._lock:
+                self._running[me] = what
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to whoever waits; the worker lives on
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+            finally:
+                with self._lock:
+                    self._running.pop(me, None)
+            del item, future, fn  # drop references to buffers before blocking on the next job
+
+    def shutdown(self, timeout: float) -> List[str]:
+        """Cancels queued jobs and waits up to `timeout` s for running ones; returns what is still running."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if first:
+            while True:
+                try:
+                    item = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+            for _ in self._threads:
+                self._jobs.put(None)
+        deadline = _now() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - _now()))
+        with self._lock:
+            return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()
+
+
+def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = None) -> list:
+    """Results of `futures` in order; the first error is raised only once none of them is still running.
+
+    A job that fails early must not let the caller reuse a buffer the other jobs still write into: on an error
+    the jobs not yet started are cancelled and the running ones waited for. If any is still running when the
+    time is up, `IOStuckError` says so, and the caller must abandon the buffer.
+    """
+    futures = list(futures)
+    limit = io_timeout() if timeout is None else timeout
+    deadline = _now() + limit
+    done, pending = cf.wait(futures, timeout=limit, return_when=cf.FIRST_EXCEPTION)
+    error = next((f.exception() for f in futures if f in done and not f.cancelled() and f.exception()), None)
+    if pending:
+        if error is not None:
+            for f in pending:
+                f.cancel()
+        _, pending = cf.wait([f for f in pending if not f.cancelled()], timeout=max(0.0, deadline - _now()))
+    if pending:
+        for f in pending:
+            f.cancel()  # the queued ones never start; the running ones are what is stuck
+        raise IOStuckError(f"KV offload: {what} did not finish within {limit:g} s ({len(pending)} of {len(futures)} "
+                           "requests still running): the disk or network filesystem is not answering. Raise "
+                           "KV_OFFLOAD_IO_TIMEOUT_S if it is only slow.") from error
+    if error is not None:
+        raise error
+    return [f.result() for f in futures]
+
+
+def when_done(futures: Iterable[Future], then: Callable[[], object]) -> None:
+    """Cancels the jobs of `futures` not yet started and calls `then()` once none is running any more.
+
+    For cleanup after an error or an interrupt: a file descriptor closed, or a buffer reused, while a request
+    still uses it could let that request read or write through a recycled descriptor number.
+    """
+    futures = [f for f in futures if not f.cancel() and not f.done()]
+    if not futures:
+        then()
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for f in futures:
+        f.add_done_callback(one)

@@ -1,0 +1,39 @@
+"""`python -m offload_core stream`: runs end to end on a small cache and reports every figure it promises."""
+
+import json
+
+import pytest
+
+from offload_core.__main__ import main as offload_main
+from offload_core.bench import stream
+
+
+def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
+    out = tmp_path / "stream.json"
+    code = offload_main(["stream", "--cache-mib", "16", "--layer-mib", "4", "--depths", "1,2", "--dir", str(tmp_path),
+                         "--json", str(out)])  # as `python -m offload_core stream ...`
+    assert code == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    limits = result["limits"]["file"]
+    assert set(limits["read_gib_s"]) == {"1", "2"} and limits["best_read_gib_s"] > 0
+    rows = {r["tier"]: r for r in result["rows"]}
+    assert set(rows) == {"ram_sync", "ram_async", "file_sync", "file_async"}
+    assert all(r["exact"] for r in rows.values())
+    for tier in ("file_sync", "file_async"):
+        assert rows[tier]["get_vs_raw"] > 0 and rows[tier]["put_vs_raw"] > 0
+    assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
+    assert "get / raw read" in printed and "file_async" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--layer-mib", "0"], "--layer-mib must be >= 1"),
+    (["--tiers", "ram_sync,disk"], "unknown"),
+    (["--depths", "1,x"], "comma-separated integers"),
+    (["--dir", "/nonexistent/kv"], "not an existing directory"),
+])
+def test_bad_options_are_refused_with_the_rule(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        stream.main(argv)
+    assert match in capsys.readouterr().err

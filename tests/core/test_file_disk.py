@@ -1,0 +1,97 @@
+"""The file tiers on real small filesystems: a RAM-backed one is called out, a full one fails clearly and cleanly."""
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+
+from offload_core import KVFileError, KVStore, KVWriteError, OffloadConfig
+
+MODES = ["file_sync", "file_async"]
+MiB = 1 << 20
+
+
+def layer(i, shape=(1, 2, 1024, 64)):  # 512 KiB per tensor: 1 MiB of data per layer
+    return torch.full(shape, float(i)), torch.full(shape, -float(i))
+
+
+def files_in(directory):
+    return sorted(f for f in os.listdir(directory) if not f.startswith("."))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tmpfs_cache_is_called_out_as_saving_no_ram(mode, mount_tmpfs, caplog):
+    where = mount_tmpfs("16m")
+    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file"):
+        store = KVStore(OffloadConfig(mode=mode, file_dir=where), "cpu")
+    store.put(0, *layer(0))
+    stats = store.stats()
+    assert "tmpfs" in caplog.text and "saves no RAM" in caplog.text
+    assert "tmpfs" in stats["reason"] and "saves no RAM" in stats["reason"]
+    assert stats["page_cache"] == "tmpfs: in RAM"
+    assert torch.equal(store.get(0)[0], layer(0)[0])
+    store.close()
+    assert os.listdir(where) == []
+
+
+def test_a_disk_cache_is_not_called_out(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file"):
+        store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    store.put(0, *layer(0))
+    if store.stats()["page_cache"].endswith("in RAM"):
+        pytest.skip("the test's temp directory is itself on a RAM-backed filesystem")
+    assert "saves no RAM" not in caplog.text and "saves no RAM" not in store.stats()["reason"]
+    store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_full_disk_fails_at_put_with_the_directory_and_the_space_needed(mode, mount_tmpfs):
+    where = mount_tmpfs("8m")
+    store = KVStore(OffloadConfig(mode=mode, file_dir=where), "cpu")
+    put = 0
+    with pytest.raises(KVWriteError) as info:
+        for put in range(20):
+            store.put(put, *layer(put))
+    message = str(info.value)
+    assert store.stats()["file_dir"] in message and "is full" in message and "1.0 MiB" in message
+    assert 4 <= put < 8
+    for key in range(put):  # every layer accepted before the error is whole and exact
+        k, v = store.get(key)
+        assert torch.equal(k, layer(key)[0]) and torch.equal(v, layer(key)[1])
+    directory = store.stats()["file_dir"]
+    names = files_in(directory)
+    assert names == [f"layer-{i:05d}.safetensors" for i in range(put)]  # no partial file, no temp file
+    sizes = sum(os.path.getsize(os.path.join(directory, n)) for n in names)
+    assert store.stats()["bytes"]["file"] == sizes  # never bytes that were not written
+    with pytest.raises(KeyError):
+        store.get(put)  # the refused layer is not in the store
+    store.close()
+    assert os.listdir(where) == []
+
+
+def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monkeypatch):
+    # Stand-in for an I/O error after the space was allocated (a failing disk): pwrite of layer 1 fails.
+    real = os.pwrite
+
+    def failing(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").count("layer-00001"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, offset)
+
+    store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
+    monkeypatch.setattr(os, "pwrite", failing)
+    store.put(0, *layer(0))
+    store.put(1, *layer(1))
+    with pytest.raises(KVFileError, match=r"layer-00001\.safetensors.*never written.*EIO"):
+        store.get(0)
+        store.get(1)
+    with pytest.raises(KVWriteError, match="could not be written"):
+        store.put(2, *layer(2))
+    monkeypatch.undo()
+    directory = store.stats()["file_dir"]
+    assert files_in(directory) == ["layer-00000.safetensors"]
+    assert store.stats()["bytes"]["file"] == os.path.getsize(os.path.join(directory, "layer-00000.safetensors"))
+    store.close()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,174 @@
+"""Every way a layer file can be damaged under a live store is a KVFileError naming the file, never wrong K/V.
+
+Each case damages layer 2 after layer 0 was read back, then reads on: `file_async` meets the damage in the
+prefetch queued by `get(1)`, `file_sync` in `get(2)`.
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+from offload_core import KVFileError, KVStore, OffloadConfig
+from offload_core.tiers import fileio
+
+MODES = ["file_sync", "file_async"]
+
+
+def filled_store(mode, directory, n=3, shape=(1, 2, 300, 64)):
+    gen = torch.Generator().manual_seed(5)
+    layers = {i: (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for i in range(n)}
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(directory)), "cpu")
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    k, v = store.get(0)
+    assert torch.equal(k, layers[0][0]) and torch.equal(v, layers[0][1])
+    store._tier.flush()  # every file is on disk before a test damages one
+    return store, layers
+
+
+def layer_path(store, index):
+    return os.path.join(store.stats()["file_dir"], f"layer-{index:05d}.safetensors")
+
+
+def rewrite(path, offset, fn):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        data = f.read(16)
+        f.seek(offset)
+        f.write(fn(data))
+
+
+def damage(path, how):
+    size = os.path.getsize(path)
+    if how == "missing":
+        os.unlink(path)
+    elif how == "truncated":
+        os.truncate(path, size - 4096)
+    elif how == "directory":
+        os.unlink(path)
+        os.mkdir(path)
+    elif how == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    elif how == "dev_zero_symlink":
+        os.unlink(path)
+        os.symlink("/dev/zero", path)
+    elif how == "header_changed":
+        rewrite(path, 20, lambda b: bytes([b[0] ^ 0xFF]) + b[1:])
+    elif how == "bit_flip":  # one bit deep in the data section
+        rewrite(path, size - 5000, lambda b: bytes([b[0] ^ 0x01]) + b[1:])
+    elif how == "same_size_overwrite":  # another program's bytes, same length, new inode
+        with open(path, "rb") as f:
+            header_len = 8 + int.from_bytes(f.read(8), "little")
+        with open(path, "rb") as f:
+            original = f.read()
+        os.unlink(path)
+        with open(path, "wb") as f:
+            f.write(original[:header_len] + os.urandom(size - header_len))
+    else:
+        raise AssertionError(how)
+
+
+CASES = [
+    ("missing", "is missing"),
+    ("truncated", "expected"),
+    ("directory", "is a directory"),
+    ("fifo", "is a FIFO"),
+    ("dev_zero_symlink", "symbolic link"),
+    ("header_changed", "header differs"),
+    ("bit_flip", "checksum"),
+    ("same_size_overwrite", "checksum"),
+]
+
+
+@pytest.mark.parametrize("how, match", CASES)
+@pytest.mark.parametrize("mode", MODES)
+def test_damaged_layer_is_a_kvfileerror_naming_the_file(mode, how, match, tmp_path, monkeypatch):
+    monkeypatch.setattr("offload_core.tiers.iopool.IO_TIMEOUT_S", 5.0)
+    store, _ = filled_store(mode, tmp_path)
+    target = layer_path(store, 2)
+    damage(target, how)
+    start = time.monotonic()
+    with pytest.raises(KVFileError, match=match) as info:
+        store.get(1)
+        store.get(2)
+    assert target in str(info.value)
+    store.close()
+    assert time.monotonic() - start < 5.0  # a FIFO must neither block the read nor close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_unreadable_file_is_a_kvfileerror_or_the_exact_data(mode, tmp_path, monkeypatch):
+    # As root, chmod 000 does not stop reading, so the bytes must come back exact; as anyone else, EACCES must
+    # arrive as a KVFileError naming the file.
+    store, layers = filled_store(mode, tmp_path)
+    target = layer_path(store, 2)
+    os.chmod(target, 0)
+    try:
+        store.get(1)
+        k, v = store.get(2)
+        assert os.geteuid() == 0 and torch.equal(k, layers[2][0]) and torch.equal(v, layers[2][1])
+    except KVFileError as exc:
+        assert target in str(exc) and "EACCES" in str(exc)
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_permission_error_on_open_becomes_kvfileerror(tmp_path, monkeypatch):
+    # The non-root half of the chmod case, where this machine runs as root: the OS error os.open raises.
+    store, _ = filled_store("file_sync", tmp_path)
+    target = layer_path(store, 1)
+    real_open = os.open
+
+    def refusing(path, flags, *args):
+        if path == target:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fileio.os, "open", refusing)
+    with pytest.raises(KVFileError, match="EACCES") as info:
+        store.get(1)
+    assert target in str(info.value)
+    monkeypatch.undo()
+    store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_header_holds_the_checksum_of_every_chunk(mode, tmp_path, monkeypatch):
+    import json
+    import struct
+
+    import xxhash
+
+    monkeypatch.setattr("offload_core.tiers.fileio.CHUNK", 1 << 20)
+    store, _ = filled_store(mode, tmp_path, n=2, shape=(1, 4, 1024, 128))  # 2 MiB per tensor: several chunks
+    store.get(1)
+    with open(layer_path(store, 1), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        meta = json.loads(f.read(n))["__metadata__"]
+        data = f.read()
+    assert meta["checksum"] == "xxh3_64" and int(meta["chunk_bytes"]) == 1 << 20
+    digests = meta["digests"].split(",")
+    assert len(digests) == (len(data) + (1 << 20) - 1) // (1 << 20) >= 4
+    for i, d in enumerate(digests):
+        assert int(d, 16) == xxhash.xxh3_64_intdigest(data[i << 20:(i + 1) << 20])
+    store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_layer_is_verified_on_every_read(mode, tmp_path):
+    # Damage after several clean passes still fails: the check is not a one-off at the first read.
+    store, layers = filled_store(mode, tmp_path, n=4)
+    for _ in range(3):
+        for key in range(4):
+            k, _ = store.get(key)
+            assert torch.equal(k, layers[key][0])
+    damage(layer_path(store, 1), "bit_flip")
+    with pytest.raises(KVFileError, match="checksum"):
+        for key in range(4):
+            store.get(key)
+    store.close()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,158 @@
+"""The file tiers never hang: no staging starvation, bounded waits, close() past a read stuck in the kernel,
+and close() finishing its cleanup when Ctrl-C arrives inside it."""
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from offload_core import KVStore, OffloadConfig
+from offload_core.tiers import fileowner, iopool
+
+MODES = ["file_sync", "file_async"]
+
+
+def layers(n, shape=(1, 2, 256, 64)):
+    gen = torch.Generator().manual_seed(3)
+    return {i: (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for i in range(n)}
+
+
+def run_bounded(fn, seconds):
+    """Runs `fn` in a thread; fails the test (instead of hanging it) if it has not finished in `seconds`."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed back to the test
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"did not finish within {seconds} s: deadlock"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+@pytest.mark.parametrize("depth", range(1, 9))
+def test_put_after_get_finishes_at_every_depth(depth, tmp_path):
+    data = layers(12)
+
+    def scenario():
+        store = KVStore(OffloadConfig(mode="file_async", prefetch_depth=depth, file_dir=str(tmp_path)), "cpu")
+        for key in range(10):
+            store.put(key, *data[key])
+        for key in range(3):  # reads queued ahead of the consumer hold read staging
+            store.get(key)
+        store.put(10, *data[10])  # used to wait for staging held by reads queued behind its own write
+        store.put(11, *data[11])
+        for key in [*range(12), *range(12)]:
+            k, v = store.get(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+        store.close()
+
+    run_bounded(scenario, 60)
+    assert os.listdir(tmp_path) == []
+
+
+class StuckReads:
+    """Stand-in for a read stuck in the kernel (a dead NFS server): preadv of one file blocks until released."""
+
+    def __init__(self, name):
+        self.name = name
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.real = os.preadv
+
+    def __call__(self, fd, buffers, offset, *args):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.endswith(self.name):
+            self.entered.set()
+            self.release.wait(60)
+            raise OSError(5, "Input/output error")
+        return self.real(fd, buffers, offset, *args)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a read is for")
+@pytest.mark.parametrize("mode", MODES)
+def test_read_stuck_in_the_kernel_fails_get_and_close_within_the_bound(mode, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.5)
+    data = layers(4)
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    for key in range(4):
+        store.put(key, *data[key])
+    store.get(0)
+    stuck = StuckReads("layer-00002.safetensors")
+    monkeypatch.setattr(os, "preadv", stuck)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"the read of .*layer-00002\.safetensors did not finish within 0\.5 s"):
+            run_bounded(lambda: (store.get(1), store.get(2)), 10)
+        assert stuck.entered.is_set()
+        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file"):
+            run_bounded(store.close, 10)
+        assert time.monotonic() - start < 8
+        assert "stuck in the kernel" in caplog.text and "layer-00002" in caplog.text
+        assert os.listdir(tmp_path) == []
+    finally:
+        stuck.release.set()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_inside_close_still_deletes_everything_then_raises(mode, tmp_path, monkeypatch):
+    data = layers(3)
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    for key in range(3):
+        store.put(key, *data[key])
+    store.get(0)
+    real_shutdown = iopool.IOPool.shutdown
+    real_rmtree = fileowner.shutil.rmtree
+    hits = {"shutdown": 0, "rmtree": 0}
+
+    def interrupted_shutdown(self, timeout):
+        hits["shutdown"] += 1
+        if hits["shutdown"] == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, delivered while close() waits for the I/O
+            time.sleep(1)  # the handler raises KeyboardInterrupt here
+        return real_shutdown(self, timeout)
+
+    def interrupted_rmtree(path, *args, **kwargs):
+        hits["rmtree"] += 1
+        if hits["rmtree"] == 1:
+            raise KeyboardInterrupt  # and a second one in the middle of deleting
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(iopool.IOPool, "shutdown", interrupted_shutdown)
+    monkeypatch.setattr(fileowner.shutil, "rmtree", interrupted_rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        store.close()
+    assert hits["shutdown"] >= 2 and hits["rmtree"] >= 2
+    assert os.listdir(tmp_path) == []
+    assert store.closed
+    store.close()  # idempotent after an interrupted close
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+@pytest.mark.parametrize("mode", MODES)
+def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
+    # Writes and prefetches still queued or running when close() cancels them: each one's file descriptor is
+    # closed once its last request has stopped, never while one could still use the number.
+    data = layers(8, shape=(1, 2, 2048, 128))
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+        for key in range(8):
+            store.put(key, *data[key])
+        store.get(0)  # and a prefetch in flight
+        store.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.listdir(tmp_path) == []
