@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
 import torch
@@ -88,23 +90,33 @@ def test_read_stuck_in_the_kernel_fails_get_and_close_within_the_bound(mode, tmp
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.5)
     data = layers(4)
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
-    for key in range(4):
-        store.put(key, *data[key])
-    store.get(0)
+    consumer = ThreadPoolExecutor(1, thread_name_prefix="consumer")  # a store serves one consumer thread
+
+    def bounded(fn, seconds):
+        future = consumer.submit(fn)
+        try:
+            return future.result(timeout=seconds)
+        except FutureTimeout:
+            if future.done():
+                raise  # the call's own timeout error
+            pytest.fail(f"did not finish within {seconds} s: deadlock")
+
+    bounded(lambda: [store.put(key, *data[key]) for key in range(4)] and store.get(0), 30)
     stuck = StuckReads("layer-00002.safetensors")
     monkeypatch.setattr(os, "preadv", stuck)
     try:
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"the read of .*layer-00002\.safetensors did not finish within 0\.5 s"):
-            run_bounded(lambda: (store.get(1), store.get(2)), 10)
+            bounded(lambda: (store.get(1), store.get(2)), 10)
         assert stuck.entered.is_set()
         with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file"):
-            run_bounded(store.close, 10)
+            bounded(store.close, 10)
         assert time.monotonic() - start < 8
         assert "stuck in the kernel" in caplog.text and "layer-00002" in caplog.text
         assert os.listdir(tmp_path) == []
     finally:
         stuck.release.set()
+        consumer.shutdown(wait=False)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -190,14 +190,14 @@ def test_settle_drops_an_interrupt_that_belonged_to_the_background_job():
 
 def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
     layers = make_layers(range(4), torch.float32, seed=25)
-    real = file_tier.read_exact
+    real = file_tier.open_checked
 
     def read(path, *args):
         if path.endswith("layer-00002.safetensors"):
             raise KeyboardInterrupt  # e.g. a Ctrl-C delivered to the I/O thread
         return real(path, *args)
 
-    monkeypatch.setattr(file_tier, "read_exact", read)
+    monkeypatch.setattr(file_tier, "open_checked", read)
     store = KVStore(config_for("file_async", tmp_path), "cpu")
     for key, (k, v) in layers.items():
         store.put(key, k, v)

@@ -157,7 +157,7 @@ def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
 def test_a_failed_read_is_retried_by_the_next_get_not_remembered(tmp_path, monkeypatch):
     # Guards `slot.key = None` when the wait in `get` fails: the slot is reloaded, not asked again.
     layers = make_layers(range(4), torch.float32, seed=37)
-    real, failures = file_tier.read_exact, []
+    real, failures = file_tier.open_checked, []
 
     def flaky_read(path, *args):
         if path.endswith("layer-00002.safetensors") and not failures:
@@ -165,7 +165,7 @@ def test_a_failed_read_is_retried_by_the_next_get_not_remembered(tmp_path, monke
             raise OSError(5, "Input/output error (transient)", path)
         return real(path, *args)
 
-    monkeypatch.setattr(file_tier, "read_exact", flaky_read)
+    monkeypatch.setattr(file_tier, "open_checked", flaky_read)
     with KVStore(config("file_async", tmp_path), "cpu") as store:
         for key, (k, v) in layers.items():
             store.put(key, k, v)
