@@ -87,6 +87,7 @@ class KVStore:
         self._order = LayerOrder()
         self._current: Optional[_Slot] = None
         self.closed = False
+        self.sealed = False  # set by park(): complete and read-only
         self._stats = StoreStats()
         if config.mode is not Mode.AUTO:
             self._open(*resolve(config.mode, self._unified))
@@ -150,6 +151,9 @@ class KVStore:
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
+        if self.sealed:
+            raise RuntimeError(f"KVStore.put: store {self.name!r} is sealed (kept for reuse, read-only); put into a "
+                               "new store.")
         _check_pair(key, k, v, self.device)
         if key in self._layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
@@ -256,6 +260,28 @@ class KVStore:
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
+
+    @_engine_mode
+    def park(self) -> None:
+        """Between requests (prefix reuse): seal the store and free its device slots; the data stays.
+
+        Outstanding loads finish first and the consumer's stream is synchronized, so no kernel still reads a
+        slot when it is dropped. Afterwards `put` is refused and `get` works as before (slots are made again on
+        demand). Idempotent; a no-op on a closed store.
+        """
+        if self.closed or self._tier is None:
+            return
+        self.sealed = True
+        self._release_current()
+        for slot in self._slots:
+            slot.pending.settle()
+        self._streams.synchronize()
+        if self._streams.asynchronous:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._slots = [_Slot() for _ in self._slots]
+        if not self._tier.on_device:
+            self._stats.device_bytes = 0
+            self._stats.resident_layers = 0
 
     # -- reporting -------------------------------------------------------------------------------------------
     def stats(self) -> dict:
