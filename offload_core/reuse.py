@@ -297,10 +297,10 @@ class PrefixRegistry:
         except Exception:
             log.warning("KV offload reuse: closing an evicted store failed", exc_info=True)
 
-    def evict_where(self, predicate, why: str) -> int:
-        """Evict every entry (leased or not) whose key satisfies `predicate(key)`; returns how many."""
+    def evict_where(self, predicate, why: str, *, leased: bool = True) -> int:
+        """Evict every entry whose key satisfies `predicate(key)` (`leased=False`: only those not in use)."""
         with self._lock:
-            victims = [e for e in self._lru.values() if predicate(e.key)]
+            victims = [e for e in self._lru.values() if (leased or not e.leased) and predicate(e.key)]
             for entry in victims:
                 self._evict(entry, why)
             return len(victims)
