@@ -131,7 +131,8 @@ def parse_budget(value: BudgetSpec, *, option: str = "reuse_budget") -> Dict[str
     """`None` (defaults), bytes for every place, or `{place: bytes}` -> `{place: bytes or None}`.
 
     None for a place means: a quarter of what is free there when an entry is admitted (device: 0, so by
-    default nothing is kept in VRAM between requests).
+    default nothing is kept in VRAM between requests; on a CPU the compute "device" is host RAM and counts as
+    `host`).
     """
     out: Dict[str, Optional[int]] = {"device": 0, "host": None, "file": None}
     if value is None:
@@ -151,10 +152,13 @@ def parse_budget(value: BudgetSpec, *, option: str = "reuse_budget") -> Dict[str
 
 
 def store_places(stats: dict) -> Dict[str, int]:
-    """A store's `stats()["bytes"]` folded into the registry's places."""
+    """A store's `stats()["bytes"]` folded into the registry's places (a CPU "device" is host RAM)."""
     b = stats.get("bytes", {})
-    return {"device": int(b.get("device", 0)), "host": int(b.get("host_pinned", 0)) + int(b.get("host_pageable", 0)),
-            "file": int(b.get("file", 0))}
+    device = int(b.get("device", 0))
+    host = int(b.get("host_pinned", 0)) + int(b.get("host_pageable", 0))
+    if str(stats.get("device", "")).startswith("cpu"):
+        device, host = 0, host + device
+    return {"device": device, "host": host, "file": int(b.get("file", 0))}
 
 
 def _free_in(place: str, store) -> int:

@@ -110,12 +110,18 @@ def test_an_entry_larger_than_the_budget_is_closed_not_kept(tmp_path):
     assert "budget" in registry.stats()["last_rejection"]
 
 
-def test_by_default_nothing_is_kept_on_the_device(tmp_path):
+def test_by_default_nothing_is_kept_on_the_device(tmp_path, monkeypatch):
     registry = PrefixRegistry()
     store, _ = filled_store("gpu", tmp_path)
+    # Without CUDA the gpu tier's "device" is host RAM; report it as an accelerator's to check the device rule.
+    stats = store.stats()
+    monkeypatch.setattr(store, "stats", lambda: {**stats, "device": "cuda:0"})
     assert not registry.admit(key(torch.zeros(1)), store) and store.closed
+    assert "budget there is 0.0 MiB" in registry.stats()["last_rejection"]
+    on_cpu, _ = filled_store("gpu", tmp_path)  # a CPU's device memory is host RAM: kept within the host budget
+    assert registry.admit(key(torch.ones(1)), on_cpu) and registry.stats()["bytes"]["device"] == 0
     kept, _ = filled_store("ram_sync", tmp_path)
-    assert registry.admit(key(torch.ones(1)), kept)  # host: a quarter of the free RAM
+    assert registry.admit(key(torch.full((1,), 2.0)), kept)  # host: a quarter of the free RAM
 
 
 def test_a_leased_entry_is_not_served_twice_and_a_failed_reader_evicts_it(tmp_path):
