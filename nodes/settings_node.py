@@ -52,18 +52,25 @@ class KVOffloadSettings(io.ComfyNode):
                              tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
                                      "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
                                      "Beyond it the cache uses pageable memory (slower, never fails)."),
+                io.Boolean.Input("reuse", default=True,
+                                 tooltip="Keep the prefix K/V after the run and reuse it when the same prompt, "
+                                         "references and size come again (a new seed or sampler skips the fill "
+                                         "pass). Qwen-Image 2.1 only, where it is exact; for FLUX.2 and "
+                                         "Qwen-Image(-Edit) the reference K/V depend on the prompt and the noise, "
+                                         "so it stays off there. Kept in RAM or files (never VRAM), within a "
+                                         "quarter of what is free; dropped when the model unloads."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
         )
 
     @classmethod
-    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> bool | str:
+    def validate_inputs(cls, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, reuse=True) -> bool | str:
         return validation_message(mode=mode, prefetch_depth=prefetch_depth,
                                   bypass_page_cache=bypass_page_cache, pin_budget_mb=pin_budget_mb)
 
     @classmethod
-    def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb) -> io.NodeOutput:
+    def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, reuse=True) -> io.NodeOutput:
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb)
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
-                                   telemetry=TELEMETRY)
+                                   telemetry=TELEMETRY, reuse=bool(reuse))
         return io.NodeOutput(patched)

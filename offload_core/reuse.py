@@ -261,6 +261,12 @@ class PrefixRegistry:
         store.close()
         return False
 
+    def note_rejection(self, why: str) -> None:
+        """Count a completed store the caller closed instead of offering it (e.g. its files go with a run)."""
+        with self._lock:
+            self._counters.rejected += 1
+            self._counters.last_rejection = why
+
     def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Optional[str]:
         if self.closed:
             return "the registry is closed"

@@ -186,6 +186,7 @@ export function buildCompact(payload) {
     const held = st.closed ? `closed, held ${formatPlaces(st.bytes_while_open)}` : formatPlaces(st.bytes);
     lines.push(`${st.name || "KV"}: ${tierLine(st)} \u00b7 ${held} \u00b7 wait ${formatDuration(st.exposed_wait_per_pass_s)}/step`);
   }
+  if (payload.reuse && payload.reuse.line) lines.push(payload.reuse.line);
   return lines;
 }
 
