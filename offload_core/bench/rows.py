@@ -14,6 +14,8 @@ class Row:
     mode: the `enable_kv_offload` mode, or None for the unpatched pipeline.
     call_kwargs: extra pipeline call arguments (`use_kv_cache=False` for the no-cache row).
     config: extra `OffloadConfig` fields (page-cache bypass for the cold file rows).
+    rerun_of: for a re-run row, the key of the row it repeats: the same mode with prefix reuse on, timed on a
+        second request with a new seed (and, for FLUX.2, a new prompt) after an untimed first one.
     """
 
     key: str
@@ -21,6 +23,7 @@ class Row:
     mode: str | None
     call_kwargs: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
+    rerun_of: str | None = None
 
 
 ALL_ROWS = (
@@ -35,6 +38,8 @@ ALL_ROWS = (
     Row("file_async_cold", "file_async, cold", "file_async", config={"bypass_page_cache": True}),
 )
 AUTO_ROW = Row("auto", "auto", "auto")
+RERUN_ROW = Row("rerun", "re-run, ram_async + reuse", "ram_async", rerun_of="ram_async")
+_EXTRA_ROWS = (AUTO_ROW, RERUN_ROW)  # selected by name only
 BASELINE_KEY = "gpu_upstream"
 
 # Shorthands accepted by --modes besides the row keys: a mode name selects all its rows.
@@ -45,6 +50,7 @@ _ALIASES = {
     "file_async": ("file_async_warm", "file_async_cold"),
     "warm": ("file_sync_warm", "file_async_warm"),
     "cold": ("file_sync_cold", "file_async_cold"),
+    "reuse": ("ram_async", "rerun"),
 }
 
 
@@ -52,7 +58,7 @@ def select_rows(spec: str | None) -> list[Row]:
     """Rows named by a comma-separated `--modes` value (None or "all": every row), in table order."""
     if spec is None or spec.strip() in ("", "all"):
         return list(ALL_ROWS)
-    by_key = {row.key: row for row in (*ALL_ROWS, AUTO_ROW)}
+    by_key = {row.key: row for row in (*ALL_ROWS, *_EXTRA_ROWS)}
     wanted: set[str] = set()
     for name in (part.strip() for part in spec.split(",")):
         if not name:
@@ -63,4 +69,4 @@ def select_rows(spec: str | None) -> list[Row]:
             choices = ", ".join([*by_key, *_ALIASES])
             raise ValueError(f"`--modes`: unknown row {name!r}. Choose from: {choices} (comma-separated), or 'all'.")
         wanted.update(keys)
-    return [row for row in (*ALL_ROWS, AUTO_ROW) if row.key in wanted]
+    return [row for row in (*ALL_ROWS, *_EXTRA_ROWS) if row.key in wanted]
