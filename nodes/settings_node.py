@@ -52,7 +52,7 @@ class KVOffloadSettings(io.ComfyNode):
                              tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
                                      "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
                                      "Beyond it the cache uses pageable memory (slower, never fails)."),
-                io.Boolean.Input("reuse", default=True,
+                io.Boolean.Input("reuse", default=True, optional=True,  # optional: older workflows lack it
                                  tooltip="Keep the prefix K/V after the run and reuse it when the same prompt, "
                                          "references and size come again (a new seed or sampler skips the fill "
                                          "pass). Qwen-Image 2.1 only, where it is exact; for FLUX.2 and "
