@@ -209,3 +209,35 @@ def test_bad_reuse_options_are_refused_before_anything_is_patched(qwen_pipe):
     with pytest.raises(ValueError, match="unknown place 'vram'"):
         enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget={"vram": 1})
     assert type(qwen_pipe) is before
+
+
+def test_a_real_lora_load_fuse_unfuse_and_unload_is_never_served_stale(images):
+    """With PEFT: every adapter state change is a miss, and each output is the fresh request's."""
+    pytest.importorskip("peft", reason="LoRA adapters need peft (pip install peft)")
+    from peft import LoraConfig
+
+    pipe = models.flux2_klein_kv_pipeline()
+    t = pipe.transformer
+
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+    base = _run(pipe, images[:1])
+    states = [
+        ("loaded", lambda: t.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                    target_modules=["to_q", "to_k", "to_v"]), adapter_name="a")),
+        ("fused", lambda: t.fuse_lora(lora_scale=1.0)),
+        ("unfused", lambda: t.unfuse_lora()),
+        ("fused again, then unloaded", lambda: (t.fuse_lora(lora_scale=1.0), t.unload_lora())),
+    ]
+    outputs = {}
+    for name, change in states:
+        hits = session.reuse.stats()["hits"]
+        change()
+        outputs[name] = _run(pipe, images[:1])
+        assert session.reuse.stats()["hits"] == hits, f"{name}: served a prefix made from other weights"
+        disable_kv_offload(pipe)
+        assert np.array_equal(outputs[name], _run(pipe, images[:1])), f"{name}: differs from a fresh request"
+        session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+        _run(pipe, images[:1])
+    assert not np.array_equal(outputs["loaded"], base)
+    assert not np.array_equal(outputs["fused again, then unloaded"], base)  # the fused delta stayed in the weights
+    disable_kv_offload(pipe)
