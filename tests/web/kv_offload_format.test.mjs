@@ -162,3 +162,11 @@ test("compact readout: status, device, RAM and one line per store", () => {
   assert.equal(lines[2], "RAM RSS 6.00 GiB \u00b7 48.0 GiB free \u00b7 swap 0 B");
   assert.equal(lines[3], "cond: ram_async \u00b7 pinned RAM 2.00 GiB \u00b7 wait 6.00 ms/step");
 });
+
+test("compact readout: the server's prefix-reuse line comes last, nothing when absent", () => {
+  const line = "reuse: 3 hits, 1 miss, 1 kept (14.2 MiB host)";
+  const lines = buildCompact({ ...cudaPayload(), reuse: { on: true, line } });
+  assert.equal(lines.length, 5);
+  assert.equal(lines[4], line);
+  assert.equal(buildCompact({ ...cudaPayload(), reuse: null }).length, 4);
+});
