@@ -182,6 +182,7 @@ class Entry:
     label: str = ""
     hits: int = 0
     leased: bool = False
+    doomed: bool = False  # evicted while leased: closed on release
 
 
 @dataclass
@@ -209,6 +210,7 @@ class PrefixRegistry:
         self.name = name
         self._entries: "OrderedDict[int, List[Entry]]" = OrderedDict()
         self._lru: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, oldest first
+        self._doomed: List[Entry] = []  # evicted while leased: closed on release, or by close()
         self._lock = threading.RLock()
         self._counters = _Counters()
         self.closed = False
@@ -238,7 +240,12 @@ class PrefixRegistry:
             entry.leased = False
             if not ok:
                 self._evict(entry, "the request that read it failed")
-        self._park(entry.store)
+            doomed = entry.doomed
+            self._doomed = [e for e in self._doomed if e is not entry]
+        if doomed:  # evicted while it was being read: closed only now that its reader is done
+            _close_quietly(entry.store)
+        else:
+            self._park(entry.store)
 
     def admit(self, key: PrefixKey, store, label: str = "") -> bool:
         """Keep the completed `store` for `key`; evicts older entries to make room. False: closed instead.
@@ -294,6 +301,8 @@ class PrefixRegistry:
 
     # -- eviction ----------------------------------------------------------------------------------------------
     def _evict(self, entry: Entry, why: str) -> None:
+        """Forget `entry` (no later lookup finds it) and close its store — at once, or, while a request reads
+        it, when that request releases it: a store is never closed under its reader."""
         if self._lru.pop(id(entry), None) is None:
             return
         bucket = self._entries.get(hash(entry.key), [])
@@ -302,13 +311,15 @@ class PrefixRegistry:
             self._entries.pop(hash(entry.key), None)
         self._counters.evictions += 1
         self._counters.last_eviction = why
-        try:
-            entry.store.close()
-        except Exception:
-            log.warning("KV offload reuse: closing an evicted store failed", exc_info=True)
+        if entry.leased:
+            entry.doomed = True
+            self._doomed.append(entry)
+        else:
+            _close_quietly(entry.store)
 
     def evict_where(self, predicate, why: str, *, leased: bool = True) -> int:
-        """Evict every entry whose key satisfies `predicate(key)` (`leased=False`: only those not in use)."""
+        """Evict every entry whose key satisfies `predicate(key)` (`leased=False`: only those not in use; a leased
+        one is closed when its reader releases it)."""
         with self._lock:
             victims = [e for e in self._lru.values() if (leased or not e.leased) and predicate(e.key)]
             for entry in victims:
@@ -319,11 +330,15 @@ class PrefixRegistry:
         return self.evict_where(lambda key: True, why)
 
     def close(self) -> None:
-        """Close every entry's store (memory freed, files deleted). Idempotent; later admits are refused."""
+        """Close every entry's store, leased ones too (memory freed, files deleted). Idempotent; later admits
+        are refused."""
         with self._lock:
             if self.closed:
                 return
             self.clear("the registry was closed")
+            doomed, self._doomed = self._doomed, []
+            for entry in doomed:  # closing outranks a reader: nothing may outlive the registry
+                _close_quietly(entry.store)
             self.closed = True
             self._finalizer.detach()
 
@@ -353,6 +368,13 @@ class PrefixRegistry:
                 "held": [{"label": e.label, "hits": e.hits, "bytes": dict(e.places), "leased": e.leased,
                           "key_bytes": e.key.nbytes} for e in self._lru.values()],
             }
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        log.warning("KV offload reuse: closing a kept store failed", exc_info=True)
 
 
 def _close_entries(lru: "OrderedDict[int, Entry]") -> None:

@@ -194,3 +194,15 @@ def test_model_fingerprint_follows_the_weights_not_their_placement():
     assert not torch.equal(model_fingerprint(model)[1], probe)
     model.add_module("lora", torch.nn.Linear(4, 1))  # an adapter loaded: new parameters
     assert model_fingerprint(model)[0] != ident
+
+
+def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_path):
+    registry = PrefixRegistry({"host": 1 << 30})
+    store, layers = filled_store("ram_sync", tmp_path)
+    registry.admit(key(torch.zeros(1)), store)
+    entry = registry.lookup(key(torch.zeros(1)))
+    assert registry.clear("the model was unloaded") == 1
+    assert not store.closed and registry.lookup(key(torch.zeros(1))) is None  # gone for new requests...
+    assert torch.equal(store.get(0)[0], layers[0][0])  # ...still readable by the request that holds it
+    registry.release(entry)
+    assert store.closed and len(registry) == 0
