@@ -95,7 +95,7 @@ def own_cache(seed, cfg=None):
 
 
 @pytest.mark.parametrize("cfg", [None, 3.0])
-@pytest.mark.parametrize("mode", ["ram_sync", "ram_async", "auto", "gpu"])
+@pytest.mark.parametrize("mode", ["ram_sync", "ram_async", "auto"])  # auto on a CPU: the gpu tier
 def test_requeue_with_a_new_seed_skips_the_fill_pass_and_matches(mode, cfg):
     dm = Tiny21()
     m = patched(dm, mode)
