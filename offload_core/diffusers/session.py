@@ -122,7 +122,8 @@ class OffloadSession:
         return [s for s in self._live if not s.closed]
 
     def end_request(self, *, raise_errors: bool = True) -> None:
-        """Close every store of the current request. Idempotent.
+        """Close every store of the current request — or, with reuse, hand each completed one to the registry and
+        give back the ones it lent. Idempotent.
 
         `raise_errors=False` (used while another exception propagates) logs a failed close instead of raising,
         so the caller sees the original error.
