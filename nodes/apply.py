@@ -149,10 +149,12 @@ def _set_ref_method(model, dm) -> None:
         model.add_object_patch("diffusion_model.default_ref_method", "index_timestep_zero")
 
 
-def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory: Callable, telemetry=None):
+def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory: Callable, telemetry=None,
+                  reuse: bool = False):
     """Return `(patched clone, message)`; the input MODEL is never modified.
 
-    host(model_patcher) -> HostServices, evaluated once per run. store_factory: `KVStore`.
+    host(model_patcher) -> HostServices, evaluated once per run. store_factory: `KVStore`. reuse: keep
+    Qwen-Image 2.1 prefixes across runs (see `nodes/reuse.py`); off for the other families, whatever is asked.
     """
     m = model.clone()
     dm = m.get_model_object("diffusion_model")
@@ -162,6 +164,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
                "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it); model unchanged.")
         log.warning(msg)
         return m, msg
+    _decided(family, reuse and config.mode is not Mode.OFF)
     removed = _strip_patches(m)
     if any(is_flux_kv_cache_patch(p) for p in removed):
         log.info("KV Offload: FluxKVCache found upstream; its GPU cache is replaced by mode %s.", config.mode)
@@ -180,7 +183,8 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
                 del opts["device"]
             original = type(dm).select_prefix_cache.__get__(dm)  # the class's, not an earlier object patch
             m.add_object_patch("diffusion_model.select_prefix_cache",
-                               make_select_prefix_cache(original, count_layers(dm, family)))
+                               make_select_prefix_cache(original, count_layers(dm, family),
+                                                        _node_reuse(m) if reuse else None))
         to[OPTIONS_KEY] = opts
     else:
         _set_ref_method(m, dm)
@@ -201,6 +205,21 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
     msg = " ".join([f"KV Offload: mode {config.mode.value} on {family}.", *notes])
     log.info(msg)
     return m, msg
+
+
+def _decided(family: str, reuse: bool) -> None:
+    from .reuse import REUSE
+
+    REUSE.decided(family, reuse)
+
+
+def _node_reuse(m):
+    """The process-wide `NodeReuse`; a model unload (`ModelPatcher.detach`) drops what it kept for this model."""
+    from .reuse import ON_DETACH, REUSE
+
+    if callable(getattr(m, "add_callback", None)):
+        m.add_callback(ON_DETACH, REUSE.on_detach)
+    return REUSE
 
 
 def copy_nested_dicts(d: dict) -> dict:
@@ -226,7 +245,9 @@ def _outer_wrapper(store_factory: Callable, telemetry):
             config, note = storage_for_qwen21(config, model_options.get("transformer_options", {}).get(OPTIONS_KEY))
             if note and config is not spec.config:
                 log.warning(note)
-        return RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
+        run = RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
+        run.patcher = patcher  # prefix reuse keys by the weight-patch set this run samples with
+        return run
 
     def attach(run: RunState, spec: RunSpec, to: dict) -> None:
         to[RUN_KEY] = run

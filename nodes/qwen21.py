@@ -51,13 +51,15 @@ class PrefixStoreCache:
     filling pass and prefetches on its own, so `prefetch` has nothing left to do.
     """
 
-    def __init__(self, run, n_blocks: int):
+    def __init__(self, run, n_blocks: int, reuse=None, dm=None):
         self.run = run
         self.n_blocks = n_blocks
         self.slots: list = []  # [(key tensor, branch id)]
         self.slot = None
         self._fresh: dict = {}
         self._ids = itertools.count()
+        self.reuse, self.dm = reuse, dm  # reuse: a `NodeReuse` (prefixes kept across runs), else None
+        self._reuse_keys: dict = {}  # branch id -> the key its fill is kept under
 
     def select(self, key: torch.Tensor, create: bool = True) -> bool:
         self._fresh.clear()
@@ -86,9 +88,34 @@ class PrefixStoreCache:
         branch = self.run.branches.get(self.slot if sid is None else sid)
         return branch is not None and len(branch.layers) == num_blocks
 
+    def adopt(self, key: torch.Tensor) -> bool:
+        """Select a prefix kept by an earlier run for `key` (a hit: no fill pass), else remember its reuse key."""
+        from .reuse import ReusableStore
+
+        reuse_key = self.reuse.key(self.dm, key, getattr(self.run, "patcher", None))
+        entry = self.reuse.registry.lookup(reuse_key)
+        if entry is None:
+            self.select(key)
+            self._reuse_keys[self.slot] = reuse_key
+            return False
+        sid = ("qwen21", next(self._ids))
+        name = self.run._unique_name("cond")
+        self.run.branches[sid] = Branch(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
+                                        layers=set(range(self.n_blocks)), complete=True, name=name)
+        self.run._track(name, entry.store)
+        self.slots.append((key.detach().clone(), sid))
+        self.slot = sid
+        return True
+
     def put(self, i: int, t: torch.Tensor) -> None:
         """t: (B, 2, P, H, D) stacked K/V of block i; the store takes its own copy."""
         self.run.put(self.slot, i, t[:, 0], t[:, 1])
+        if self.slot in self._reuse_keys:  # kept when the run closes it, if the fill completed
+            from .reuse import ReusableStore
+
+            branch = self.run.branches[self.slot]
+            branch.store = ReusableStore(branch.store, self.reuse.registry, key=self._reuse_keys.pop(self.slot),
+                                         n_layers=self.n_blocks, label=branch.name)
         self._fresh[i] = t  # the fill pass reads it back at once: serve the model's own tensor
 
     def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
@@ -111,11 +138,12 @@ class PrefixStoreCache:
         self.slot = None
 
 
-def make_select_prefix_cache(original: Callable, n_blocks: int) -> Callable:
+def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> Callable:
     """The object patch for `diffusion_model.select_prefix_cache`.
 
     With a run of ours in `options` it returns our cache; without one (our run stood down) it defers to the
-    model's own method, so the model behaves exactly as without the node.
+    model's own method, so the model behaves exactly as without the node. `reuse` (a `NodeReuse`): a key this
+    run has no slot for is looked up among the prefixes kept by earlier runs first.
     """
 
     def select_prefix_cache(key, cache_bytes, device, options):
@@ -129,9 +157,11 @@ def make_select_prefix_cache(original: Callable, n_blocks: int) -> Callable:
             return None, False
         cache: Optional[PrefixStoreCache] = getattr(run, "prefix_cache", None)
         if cache is None:
-            cache = run.prefix_cache = PrefixStoreCache(run, n_blocks)
+            cache = run.prefix_cache = PrefixStoreCache(run, n_blocks, reuse, getattr(original, "__self__", None))
         if cache.select(key, create=False):
             return cache, True
+        if reuse is not None and cache.dm is not None:
+            return cache, cache.adopt(key)
         cache.select(key)
         return cache, False
 

@@ -61,6 +61,10 @@ class KVOffloadSettings(io.ComfyNode):
                                tooltip="exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, "
                                        "RAM, disk and copy time for a small, measured error in the image (every "
                                        "mode but off)."),
+                io.Boolean.Input("reuse", default=True, optional=True,
+                                 tooltip="Keep the prefix K/V in RAM or files after the run and reuse it when the "
+                                         "same prompt, references and size come again, so a new seed skips the "
+                                         "fill pass (exact only for Qwen-Image 2.1; off for the others)."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
             hidden=[io.Hidden.unique_id],  # the memory readout shows this node's own run
@@ -75,10 +79,10 @@ class KVOffloadSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
-                storage="exact") -> io.NodeOutput:
+                storage="exact", reuse=True) -> io.NodeOutput:
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage)
         # the readout tags this node's runs with its id, so the node shows its own run
         telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if TELEMETRY is not None and cls.hidden else TELEMETRY
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
-                                   telemetry=telemetry)
+                                   telemetry=telemetry, reuse=bool(reuse))
         return io.NodeOutput(patched)

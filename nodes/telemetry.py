@@ -75,6 +75,17 @@ def to_json(value: Any) -> Any:
     return str(value)
 
 
+def _reuse_snapshot() -> Optional[dict]:
+    """What prefix reuse holds (hits, misses, bytes, evictions, on/off and why); None if unavailable."""
+    try:
+        from .reuse import REUSE
+
+        return REUSE.snapshot()
+    except Exception:  # the readout must never break sampling
+        log.debug("reuse snapshot failed", exc_info=True)
+        return None
+
+
 def _ratio(num: Any, den: Any) -> Optional[float]:
     if not isinstance(num, (int, float)) or not isinstance(den, (int, float)) or den <= 0:
         return None
@@ -307,6 +318,7 @@ class TelemetryHub:
             "memory": memory,
             "stores": stores,
             "totals": totals(stores, self._forwards),
+            "reuse": _reuse_snapshot(),
         }
 
     def _build(self, event: str) -> dict:

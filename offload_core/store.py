@@ -112,6 +112,7 @@ class KVStore:
         self._owner_lock, self._busy = threading.Lock(), threading.RLock()
         self.closed = False
         self.depth = 0
+        self.sealed = False  # set by park(): complete and read-only
         self._stats = StoreStats()
         if config.mode is not Mode.AUTO:
             mode, reason = resolve(config.mode, self._unified)
@@ -214,6 +215,9 @@ class KVStore:
     def put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores layer `key` once. The store takes a private copy; `k` and `v` stay the caller's."""
         self._check_open("put")
+        if self.sealed:
+            raise RuntimeError(f"KVStore.put: store {self.name!r} is sealed (kept for reuse, read-only); put into a "
+                               "new store.")
         check_pair(key, k, v, self.device)
         if key in self._layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
@@ -395,6 +399,29 @@ class KVStore:
                 f"KVStore.{what}: store {self.name!r} serves one consumer, thread {self._owner.name!r} (the first "
                 f"to put or get); called from thread {me.name!r}. A get's tensors are only valid until the next "
                 "get, so two threads would read each other's layers. Create one store per consumer thread.")
+
+    @engine_mode
+    def park(self) -> None:
+        """Between requests (prefix reuse): seal the store and free its ring's device slots; the data stays.
+
+        Outstanding loads finish first and the consumer's stream is synchronized, so no kernel still reads a
+        slot when it is dropped. Afterwards `put` is refused and `get` works as before (slots are made again on
+        demand), from whichever thread the next request runs on. Idempotent; a no-op on a closed store.
+        """
+        with self._busy:
+            if self.closed or self._streams is None:
+                return
+            self.sealed = True
+            self._release_current()
+            self._served = None
+            for slot in self._slots:
+                slot.pending.settle()
+            self._streams.drain()
+            self._slots = [_Slot() for _ in self._slots]
+            self._stats.device_bytes = sum(self._kept[k].k.nbytes + self._kept[k].v.nbytes for k in self._resident)
+            self._stats.set_resident(len(self._resident))
+            with self._owner_lock:
+                self._owner = None  # the next request's consumer owns it, one request at a time
 
     # -- reporting -------------------------------------------------------------------------------------------
     def placement(self) -> Dict[str, int]:

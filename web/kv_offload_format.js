@@ -92,6 +92,8 @@ export function buildReadout(payload) {
   for (const s of Array.isArray(payload.stores) ? payload.stores : []) {
     sections.push({ title: `KV ${s.name || "store"}`, rows: storeRows(s) });
   }
+  // Prefix reuse across runs: the server words the line (hits, misses, what is kept, or why it is off).
+  if (payload.reuse && payload.reuse.line) sections.push({ title: "reuse", rows: [row("reuse", payload.reuse.line, null)] });
   return sections;
 }
 

@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=int, default=1, help="condition images per request (default 1)")
     p.add_argument("--modes", help="comma-separated rows: none, gpu_upstream, gpu, ram_sync, ram_async, "
                    "file_sync_warm, file_async_warm, file_sync_cold, file_async_cold, device_25, device_50, "
-                   "device_75, host_50, gpu_fp8, gpu_int8, auto; or the shorthands "
-                   "file_sync, file_async, warm, cold, off, dial, lossy (default: all but auto)")
+                   "device_75, host_50, gpu_fp8, gpu_int8, auto, rerun (a second request with a new seed, for "
+                   "FLUX.2 a new prompt, served by prefix reuse); or the shorthands file_sync, file_async, warm, "
+                   "cold, off, dial, lossy, reuse (ram_async + rerun) (default: all but auto, rerun)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, torch's default "
                    "otherwise; on a busy machine, OpenMP threads waiting for each other at every op can make a "
                    "multi-threaded CPU run 10-30x slower)")

@@ -190,13 +190,32 @@ def output_digest(output) -> str | None:
 
 
 def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: torch.device, rss: RssPeak) -> dict:
-    """Enable the row's mode, run one request, disable again: one sample of `row`."""
-    session = enable_kv_offload(pipe, row.mode, **row.config) if row.mode else None
+    """Enable the row's mode, run one request, disable again: one sample of `row`.
+
+    A re-run row runs an untimed first request with reuse on, then times a second one with a new seed (and
+    for FLUX.2 a new prompt), whose prefix comes from the first.
+    """
+    reuse = row.rerun_of is not None
+    session = enable_kv_offload(pipe, row.mode, reuse=reuse, **row.config) if row.mode else None
     try:
+        if reuse:
+            pipe(**call_kwargs(), **row.call_kwargs)
+            sample = one_request(pipe, lambda: pipe(**rerun_kwargs(pipe, call_kwargs()), **row.call_kwargs),
+                                 device, rss, session)
+            sample["reuse_hits"] = sum(s.get("reuse") == "hit" for s in session.last_stats)
+            return sample
         return one_request(pipe, lambda: pipe(**call_kwargs(), **row.call_kwargs), device, rss, session)
     finally:
         if session is not None:
             disable_kv_offload(pipe)
+
+
+def rerun_kwargs(pipe, kwargs: dict) -> dict:
+    """The second request of a re-run: a new seed; for FLUX.2 (whose reference K/V ignore it) a new prompt."""
+    kwargs = {**kwargs, "generator": torch.Generator().manual_seed(1)}
+    if "Flux2" in type(pipe).__name__:
+        kwargs["prompt"] = f"{kwargs.get('prompt', '')}, at dusk"
+    return kwargs
 
 
 def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs: int, device: torch.device,
@@ -226,7 +245,22 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
                 on_done(row)
     finally:
         gc.unfreeze()
-    return [summarize(row, samples[row.key], rss_exact=rss.exact, reference=reference) for row in rows]
+    results = [summarize(row, samples[row.key], rss_exact=rss.exact, reference=reference) for row in rows]
+    _add_rerun_speedups(rows, results)
+    return results
+
+
+def _add_rerun_speedups(rows: list[Row], results: list[dict]) -> None:
+    """A re-run row's speed-up over its base row (the same request without reuse), in its label and JSON."""
+    by_key = {r["key"]: r for r in results}
+    for row in rows:
+        mine, base = by_key[row.key], by_key.get(row.rerun_of or "")
+        if row.rerun_of is None:
+            continue
+        mine["speedup_vs"] = row.rerun_of if base else None
+        mine["speedup"] = base["latency_s"] / mine["latency_s"] if base and mine["latency_s"] > 0 else None
+        if mine["speedup"] is not None:
+            mine["label"] = f"{mine['label']} ({mine['speedup']:.2f}x vs {base['label']})"
 
 
 def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None) -> dict:
@@ -248,4 +282,5 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None)
         "plan": last.get("plan"), "kv_error": last.get("kv_error"),
         "psnr_db": psnr(last["image"], reference) if row.lossy else None,
         "output_sha256": sorted({s.get("output_sha256") or "" for s in samples}),  # >1: not reproducible
+        "reuse_hits": last.get("reuse_hits"),
     }

@@ -16,6 +16,8 @@ class Row:
     config: extra `OffloadConfig` fields (page-cache bypass for the cold file rows, storage).
     fractions: `OffloadConfig` byte fields given as a fraction of one store's cache (`device_budget`,
         `host_budget`), turned into bytes once the cache has been measured (`with_budgets`).
+    rerun_of: for a re-run row, the key of the row it repeats: the same mode with prefix reuse on, timed on a
+        second request with a new seed (and, for FLUX.2, a new prompt) after an untimed first one.
     """
 
     key: str
@@ -24,6 +26,7 @@ class Row:
     call_kwargs: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     fractions: dict = field(default_factory=dict)
+    rerun_of: str | None = None
 
     @property
     def lossy(self) -> bool:
@@ -57,6 +60,8 @@ ALL_ROWS = (
     Row("gpu_int8", "gpu, int8", "gpu", config={"storage": "int8"}),
 )
 AUTO_ROW = Row("auto", "auto", "auto")
+RERUN_ROW = Row("rerun", "re-run, ram_async + reuse", "ram_async", rerun_of="ram_async")
+_EXTRA_ROWS = (AUTO_ROW, RERUN_ROW)  # selected by name only
 BASELINE_KEY = "gpu_upstream"
 
 # Shorthands accepted by --modes besides the row keys: a mode name selects all its rows.
@@ -69,6 +74,7 @@ _ALIASES = {
     "cold": ("file_sync_cold", "file_async_cold"),
     "dial": ("device_25", "device_50", "device_75", "host_50"),
     "lossy": ("gpu_fp8", "gpu_int8"),
+    "reuse": ("ram_async", "rerun"),
 }
 
 
@@ -76,7 +82,7 @@ def select_rows(spec: str | None) -> list[Row]:
     """Rows named by a comma-separated `--modes` value (None or "all": every row), in table order."""
     if spec is None or spec.strip() in ("", "all"):
         return list(ALL_ROWS)
-    by_key = {row.key: row for row in (*ALL_ROWS, AUTO_ROW)}
+    by_key = {row.key: row for row in (*ALL_ROWS, *_EXTRA_ROWS)}
     wanted: set[str] = set()
     for name in (part.strip() for part in spec.split(",")):
         if not name:
@@ -87,4 +93,4 @@ def select_rows(spec: str | None) -> list[Row]:
             choices = ", ".join([*by_key, *_ALIASES])
             raise ValueError(f"`--modes`: unknown row {name!r}. Choose from: {choices} (comma-separated), or 'all'.")
         wanted.update(keys)
-    return [row for row in (*ALL_ROWS, AUTO_ROW) if row.key in wanted]
+    return [row for row in (*ALL_ROWS, *_EXTRA_ROWS) if row.key in wanted]

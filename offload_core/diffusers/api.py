@@ -7,6 +7,7 @@ import logging
 import diffusers
 
 from .. import HostServices, Mode
+from ..reuse import PrefixRegistry, parse_budget
 from . import flux2, qwenimage21
 from .session import OffloadSession, make_config, session_of
 
@@ -39,8 +40,8 @@ def _kind_of(pipe) -> str:
     )
 
 
-def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None,
-                      **config_fields) -> OffloadSession:
+def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None, reuse: bool = True,
+                      reuse_budget=None, **config_fields) -> OffloadSession:
     """Keep the pipeline's prefix K/V cache in `mode`'s tier and bring each layer back when it is needed.
 
     Args:
@@ -48,16 +49,28 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
         mode: any `Mode` value; `"gpu"` keeps today's placement but frees the cache before the VAE decodes.
             `"off"` recomputes the prefix every step (Qwen-Image 2.1 only).
         host: optional host services (pin budget, side stream, free-memory queries, temp dir).
+        reuse: keep each completed prefix cache after the request (in the tier it was made in, device slots
+            freed) and serve a later request with the same prefix inputs from it, skipping the extraction pass:
+            FLUX.2 Klein KV when the references are the same (prompt and seed may change), Qwen-Image 2.1 when
+            prompt, references and output size are the same (seed and step count may change). The key also
+            covers the transformer's weights (LoRA load / fuse / unload, edits), dtype and device.
+        reuse_budget: bytes kept for reuse, for every place (an int) or per place (`{"device": ..., "host":
+            ..., "file": ...}`); least recently used entries are evicted (closed: memory freed, files deleted).
+            Default: nothing on the device (the VRAM goes back after every request), up to a quarter of the
+            free RAM and of the free disk space.
         **config_fields: the other `OffloadConfig` fields (`prefetch_depth`, `file_dir`, `bypass_page_cache`,
             `pin_budget`, `device_budget`, `host_budget`, `storage`), validated before the pipeline is touched.
 
     Returns:
-        The session; `session.last_stats` holds each store's `stats()` of the last finished call.
-    Calling it again replaces the previous settings. Undo with `disable_kv_offload(pipe)`.
+        The session; `session.last_stats` holds each store's `stats()` of the last finished call and
+        `session.reuse.stats()` the hits, misses, bytes kept and evictions.
+    Calling it again replaces the previous settings (and drops what was kept). Undo with `disable_kv_offload(pipe)`,
+    which also closes every kept cache.
     """
     check_diffusers_version(diffusers.__version__)
     kind = _kind_of(pipe)
     config = make_config(mode, config_fields)
+    budget = _check_reuse(reuse, reuse_budget)
     if kind == "flux2" and config.mode is Mode.OFF:
         raise ValueError(
             "`mode` 'off' is not available for Flux2KleinKVPipeline: after step 0 the pipeline no longer passes "
@@ -70,11 +83,22 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
     if session_of(pipe) is not None:
         disable_kv_offload(pipe)
 
-    session = OffloadSession(pipe, config, host)
+    registry = PrefixRegistry(budget, name=type(pipe).__name__) if reuse and config.mode is not Mode.OFF else None
+    session = OffloadSession(pipe, config, host, registry)
     (qwenimage21 if kind == "qwenimage21" else flux2).install(session, transformer)
     session.attach()
-    logger.info("KV offload enabled on %s: mode=%s", type(pipe).__name__, config.mode.value)
+    logger.info("KV offload enabled on %s: mode=%s, reuse %s", type(pipe).__name__, config.mode.value,
+                "on" if registry is not None else "off")
     return session
+
+
+def _check_reuse(reuse, reuse_budget) -> dict:
+    if not isinstance(reuse, bool):
+        raise ValueError(f"`reuse` must be True or False; got {reuse!r}.")
+    if reuse_budget is not None and not reuse:
+        raise ValueError(f"`reuse_budget` only applies with reuse=True; got reuse_budget={reuse_budget!r} with "
+                         "reuse=False. Remove it, or turn reuse on.")
+    return parse_budget(reuse_budget)
 
 
 def disable_kv_offload(pipe) -> None:

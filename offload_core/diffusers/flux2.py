@@ -14,6 +14,13 @@ Blocks compiled on their own (`compile_repeated_blocks`) cannot run our per-bloc
 there the hooks are left out and the output hook moves every layer after the extract call, so the extract
 step holds the whole reference cache on the device, as upstream does; cached steps still hold one or two
 layers. Layer keys are `("double", i)` and `("single", j)`, put and read in block order.
+
+Reuse: on the extract step the reference tokens attend only to themselves (`_flux2_kv_causal_attention`) and are
+modulated at the fixed `ref_fixed_timestep`, so their K/V depend on the reference latents and their position
+ids (count, order, shapes), the batch, `guidance`, the attention kwargs and the weights — not on the prompt,
+the seed or the step. The key is built from exactly those inputs of the extract call. On a hit the extract
+call is rewritten into a cached call (reference tokens and their ids dropped, the kept store as `kv_cache`) and
+its output is given the `(sample, kv_cache)` shape the pipeline unpacks on step 0.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
 
 from .. import KVStore, KVWriteError
+from .qwenimage21 import plain_items
 from .session import OffloadSession
 
 logger = logging.getLogger(__name__)
@@ -61,14 +69,17 @@ class OffloadedFlux2KVCache(Flux2KVCache):
     @torch.compiler.disable
     def clear(self) -> None:
         if self._on_clear is not None:
-            self._on_clear()
-        self.kv_store.close()
+            self._on_clear()  # the session closes the store, or keeps it for reuse
+        else:
+            self.kv_store.close()
 
 
 class _Extract:
-    """State of the extract call in flight: its store (None outside an extract call) and its write error."""
+    """State of the extract call in flight: its store (a miss) or the cache serving it (a hit), else None; and
+    the store's write error."""
 
     store: KVStore | None = None
+    hit: "OffloadedFlux2KVCache | None" = None
     failed: Exception | None = None  # the store could not write its files: the rest stays on the device
 
 
@@ -113,17 +124,28 @@ def install(session: OffloadSession, transformer) -> None:
 
     @torch.compiler.disable
     def open_store(module, args, kwargs):
-        extract.store, extract.failed = None, None
-        if kwargs.get("kv_cache_mode") == "extract" and kwargs.get("num_ref_tokens", 0) > 0:
+        extract.store = extract.hit = extract.failed = None
+        if (kwargs.get("kv_cache_mode") == "extract" and kwargs.get("num_ref_tokens", 0) > 0
+                and session.active()):
             if block_hooks and _blocks_compiled(module):
                 _drop_block_hooks(block_hooks)
             hidden = kwargs["hidden_states"]
-            extract.store = session.open_store(hidden.device, _expected_bytes(module, kwargs))
+            key = _reuse_key(session, module, kwargs)
+            kept = session.lookup(key)
+            if kept is not None:
+                return _as_cached_call(session, module, args, kwargs, kept, extract)
+            extract.store = session.open_store(hidden.device, _expected_bytes(module, kwargs), key)
         return None
 
     @torch.compiler.disable
     def swap_output(module, args, kwargs, output):
         store, extract.store = extract.store, None
+        hit, extract.hit = extract.hit, None
+        if hit is not None:  # the pipeline unpacks (noise_pred, kv_cache) on step 0
+            if isinstance(output, tuple):
+                return (output[0], hit, *output[1:])
+            output.kv_cache = hit
+            return output
         if store is None:
             return None
         upstream = output[1] if isinstance(output, tuple) else output.kv_cache
@@ -142,6 +164,7 @@ def install(session: OffloadSession, transformer) -> None:
         ours = OffloadedFlux2KVCache(store, len(upstream.double_block_caches), len(upstream.single_block_caches),
                                      upstream.num_ref_tokens, on_clear=session.end_request)
         upstream.clear()
+        session.mark_complete(store)
         if isinstance(output, tuple):
             return (output[0], ours, *output[2:])
         output.kv_cache = ours
@@ -181,6 +204,40 @@ def _block_hook(extract: _Extract, key: tuple[str, int]):
         return None
 
     return move_layer
+
+
+def _reuse_key(session: OffloadSession, transformer, kwargs):
+    """What the reference K/V of this extract call are computed from (None: reuse off)."""
+    if session.reuse is None:
+        return None
+    n, hidden = int(kwargs["num_ref_tokens"]), kwargs["hidden_states"]
+    tensors = [hidden[:, :n], _ref_ids(kwargs["img_ids"], n, ref=True)]
+    guidance = kwargs.get("guidance")
+    if guidance is not None:
+        tensors.append(guidance)
+    extra, extra_tensors = plain_items(kwargs.get("joint_attention_kwargs"))
+    header = ("flux2", str(hidden.dtype), str(hidden.device), n, repr(float(kwargs.get("ref_fixed_timestep", 0.0))),
+              guidance is not None, extra)
+    return session.reuse_key("flux2", transformer, header, tensors + extra_tensors)
+
+
+def _ref_ids(img_ids: torch.Tensor, n: int, *, ref: bool) -> torch.Tensor:
+    """The position ids of the reference tokens (`ref`) or of the target tokens; (B, L, 4) or (L, 4)."""
+    if img_ids.ndim == 3:
+        return img_ids[:, :n] if ref else img_ids[:, n:]
+    return img_ids[:n] if ref else img_ids[n:]
+
+
+def _as_cached_call(session: OffloadSession, transformer, args, kwargs, store: KVStore, extract: _Extract):
+    """Turn an extract call into the cached call of a later step, served by the kept `store`."""
+    n = int(kwargs["num_ref_tokens"])
+    ours = OffloadedFlux2KVCache(store, len(transformer.transformer_blocks), len(transformer.single_transformer_blocks),
+                                 n, on_clear=session.end_request)
+    extract.hit = ours
+    cached = {**kwargs, "hidden_states": kwargs["hidden_states"][:, n:],
+              "img_ids": _ref_ids(kwargs["img_ids"], n, ref=False),
+              "kv_cache": ours, "kv_cache_mode": "cached", "num_ref_tokens": 0}
+    return args, cached
 
 
 def _expected_bytes(transformer, kwargs) -> int | None:

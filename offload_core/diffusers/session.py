@@ -6,7 +6,10 @@ A session belongs to one pipeline. Each call of the pipeline is one request; eve
 - just before the VAE decodes (normal completion and interruption: the loop has ended), and
 - when the call returns or raises (output_type="latent", exceptions inside the denoising loop),
 
-so no store — device buffers, pinned host memory, files — outlives the denoising loop, in any mode.
+so no store — device buffers, pinned host memory, files — outlives the denoising loop, in any mode; with prefix
+reuse on, a store whose extraction completed is instead sealed, its device ring freed, and handed to the
+session's `PrefixRegistry`, which keeps it (within its budgets) for a later request with the same prefix inputs.
+A store served from the registry (a hit) goes back to it at the same points.
 
 The call guard is a subclass of the pipeline's own class, made once per class and put on the instance
 (`pipe.__class__`); the decode guard is an instance attribute on the VAE. Both are removed by `detach()`.
@@ -22,12 +25,14 @@ import threading
 import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
+from ..reuse import PrefixKey, PrefixRegistry, model_fingerprint
 
 logger = logging.getLogger(__name__)
 
 _SESSION_ATTR = "_kv_offload_session"
 _GUARDED_CLASSES: dict[type, type] = {}
 _GUARDED_LOCK = threading.Lock()
+_CALLING = threading.local()  # the session whose pipeline call runs on this thread (shared transformers)
 
 
 class OffloadSession:
@@ -35,27 +40,75 @@ class OffloadSession:
 
     Attributes:
         config: the validated `OffloadConfig` every store of this pipeline is built with.
-        last_stats: `stats()` of every store of the last finished request, captured just before closing.
+        last_stats: `stats()` of every store of the last finished request, captured just before closing, each
+            with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (extracted, then offered to the
+            registry) or "off".
+        reuse: the `PrefixRegistry` of this pipeline, or None when reuse is off.
     """
 
-    def __init__(self, pipe, config: OffloadConfig, host: HostServices | None):
+    def __init__(self, pipe, config: OffloadConfig, host: HostServices | None,
+                 reuse: PrefixRegistry | None = None):
         self.pipe = pipe
         self.config = config
         self.host = host
+        self.reuse = reuse
         self.last_stats: list[dict] = []
         self._live: list[KVStore] = []
+        self._keys: dict[int, PrefixKey] = {}  # id(store) -> the key its extraction is kept under
+        self._complete: set[int] = set()  # id(store) of stores whose extraction pass finished
+        self._leases: list = []  # registry entries this request reads
         self._bindings: dict[int, tuple[object, object]] = {}  # id(upstream cache) -> (upstream, ours)
         self._hooks: list = []
         self._decode_owner = None
         self._fallbacks: dict[int, str] = {}  # id(store) -> what the request does instead, and why
 
     # -- stores --------------------------------------------------------------------------------------------
-    def open_store(self, device: torch.device, expected_bytes: int | None) -> KVStore:
-        """A new store for one branch of the current request; closed by `end_request()`."""
-        name = ("cond", "uncond")[len(self._live)] if len(self._live) < 2 else f"branch{len(self._live)}"
+    def open_store(self, device: torch.device, expected_bytes: int | None, key: PrefixKey | None = None) -> KVStore:
+        """A new store for one branch of the current request; closed (or kept under `key`) by `end_request()`."""
+        n = len(self._live) + len(self._leases)
+        name = ("cond", "uncond")[n] if n < 2 else f"branch{n}"
         store = KVStore(self.config, device, host=self.host, expected_bytes=expected_bytes, name=name)
         self._live.append(store)
+        if key is not None:
+            self._keys[id(store)] = key
         return store
+
+    # -- reuse ---------------------------------------------------------------------------------------------
+    def active(self) -> bool:
+        """False while another enabled pipeline's call runs on this thread (both hook a shared transformer)."""
+        calling = getattr(_CALLING, "session", None)
+        return calling is None or calling is self
+
+    def reuse_key(self, family: str, transformer, header: tuple, tensors: list) -> PrefixKey | None:
+        """The key of a prefix computed by `transformer` from `tensors`, or None when reuse is off."""
+        if self.reuse is None:
+            return None
+        identity, probe = model_fingerprint(transformer)
+        return PrefixKey.build((family, id(transformer), identity, *header), [*tensors, probe])
+
+    def lookup(self, key: PrefixKey | None) -> KVStore | None:
+        """A kept store for `key`, leased to this request until `end_request()`; None: extract."""
+        if key is None or self.reuse is None:
+            return None
+        entry = self.reuse.lookup(key)
+        if entry is None:
+            self._drop_stale(key)
+            return None
+        self._leases.append(entry)
+        return entry.store
+
+    def _drop_stale(self, key: PrefixKey) -> None:
+        """Evict entries of the same transformer made from other weights: no later request can hit them."""
+        scope, identity, probe = key.header[0][:2], key.header[0][2], key.tensors[-1].cpu()
+
+        def stale(kept: PrefixKey) -> bool:
+            return kept.header[0][:2] == scope and (kept.header[0][2] != identity or not torch.equal(kept.tensors[-1], probe))
+
+        self.reuse.evict_where(stale, "the transformer's weights changed", leased=False)
+
+    def mark_complete(self, store: KVStore) -> None:
+        """The extraction pass that fills `store` finished: it may be kept for reuse."""
+        self._complete.add(id(store))
 
     def bind(self, upstream, ours) -> None:
         """Remember that the pipeline's cache object `upstream` is served by our cache `ours` this request."""
@@ -79,25 +132,39 @@ class OffloadSession:
         return [s for s in self._live if not s.closed]
 
     def end_request(self, *, raise_errors: bool = True) -> None:
-        """Close every store of the current request. Idempotent.
+        """Close every store of the current request — or, with reuse, hand each completed one to the registry and
+        give back the ones it lent. Idempotent.
 
         `raise_errors=False` (used while another exception propagates) logs a failed close instead of raising,
         so the caller sees the original error.
         """
         stores, self._live = self._live, []
+        leases, self._leases = self._leases, []
+        keys, complete = self._keys, self._complete
+        self._keys, self._complete = {}, set()
         self._bindings.clear()
-        if not stores:
+        if not stores and not leases:
             return
         stats, errors = [], []
-        for store in stores:  # every store gets closed, whatever fails on the way (a Ctrl-C included)
+        for entry in leases:  # back to the registry; a failed request may have left it half read: evict it
+            stats.append(_stats_of(entry.store, "hit", errors))
             try:
-                stats.append({**store.stats(), "fallback": self._fallbacks.pop(id(store), None)})
+                self.reuse.release(entry, ok=raise_errors)
             except BaseException as exc:
                 errors.append(exc)
+        for store in stores:  # every store gets closed or kept, whatever fails on the way (a Ctrl-C included)
+            key = keys.get(id(store)) if raise_errors and id(store) in complete else None
+            entry_stats = _stats_of(store, "off" if self.reuse is None else "not kept", errors)
+            entry_stats["fallback"] = self._fallbacks.pop(id(store), None)  # a store that fell back is never kept
             try:
-                store.close()
+                if key is not None and not store.closed and self.reuse.admit(key, store, label=store.name):
+                    entry_stats["reuse"] = "kept"
+                else:
+                    store.close()
             except BaseException as exc:
                 errors.append(exc)
+                _close_quietly(store)
+            stats.append(entry_stats)
         self.last_stats = stats
         _log_summary(stats)
         interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
@@ -123,9 +190,13 @@ class OffloadSession:
             self._decode_owner = vae
 
     def detach(self) -> None:
-        """Undo `attach()` and every registered hook; closes live stores first."""
+        """Undo `attach()` and every registered hook; closes live stores and every kept store first."""
         try:
-            self.end_request()
+            try:
+                self.end_request()
+            finally:
+                if self.reuse is not None:
+                    self.reuse.close()
         finally:
             for handle in self._hooks:
                 handle.remove()
@@ -152,12 +223,16 @@ def _guarded_class(cls: type) -> type:
         @functools.wraps(cls.__call__)
         def __call__(self, *args, **kwargs):
             session = session_of(self)
+            previous = getattr(_CALLING, "session", None)
+            _CALLING.session = session
             try:
                 result = cls.__call__(self, *args, **kwargs)
             except BaseException:
                 if session is not None:
                     session.end_request(raise_errors=False)
                 raise
+            finally:
+                _CALLING.session = previous
             if session is not None:
                 session.end_request()
             return result
@@ -205,6 +280,21 @@ def _unguard_decode(vae, session: OffloadSession) -> None:
         object.__delattr__(vae, "decode")
     else:
         object.__setattr__(vae, "decode", previous)
+
+
+def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
+    try:
+        return {**store.stats(), "reuse": reuse}
+    except BaseException as exc:  # an interrupt too: raised by end_request once every store is closed
+        errors.append(exc)
+        return {"name": store.name, "reuse": reuse, "bytes": {}, "exposed_wait_s": 0.0, "tier": None}
+
+
+def _close_quietly(store: KVStore) -> None:
+    try:
+        store.close()
+    except Exception:
+        logger.error("KV offload: closing a store failed", exc_info=True)
 
 
 def _log_summary(stats: list[dict]) -> None:

@@ -141,3 +141,29 @@ def test_dial_and_lossy_rows_measure_budgets_error_and_psnr(tmp_path, capsys):
         assert 0 < rows[key]["kv_error"]["relative"] <= bound and rows[key]["psnr_db"] > 20
         assert rows[key]["kv_bytes"]["device"] < 0.6 * rows["gpu"]["kv_bytes"]["device"]
     assert rows["gpu"]["kv_error"] is None and rows["gpu"]["psnr_db"] is None
+
+
+def test_rerun_row_reports_its_speedup_over_the_same_request_without_reuse(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    assert main(["--runs", "1", "--steps", "2", "--resolution", "64", "--modes", "reuse", "--json", str(out_json)]) == 0
+    rows = {r["key"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert list(rows) == ["ram_async", "rerun"]
+    rerun = rows["rerun"]
+    assert rerun["reuse_hits"] == 1 and rerun["speedup_vs"] == "ram_async"
+    assert rerun["speedup"] == pytest.approx(rows["ram_async"]["latency_s"] / rerun["latency_s"])
+    assert f"{rerun['speedup']:.2f}x vs ram_async" in capsys.readouterr().out
+
+
+def test_flux2_rerun_changes_prompt_and_seed_and_still_hits():
+    import torch
+
+    from offload_core.bench import loading, models
+    from offload_core.bench.measure import measure_rows, rerun_kwargs
+    from offload_core.bench.rows import select_rows
+
+    pipe = models.flux2_klein_kv_pipeline()
+    call = loading.call_factory(pipe, builtin=True, steps=2, resolution=64)
+    first, second = call(), rerun_kwargs(pipe, call())
+    assert second["prompt"] != first["prompt"] and second["generator"].initial_seed() != first["generator"].initial_seed()
+    results = measure_rows(pipe, select_rows("reuse"), call, runs=1, device=torch.device("cpu"))
+    assert results[1]["reuse_hits"] == 1 and results[1]["speedup"] > 0

@@ -1,4 +1,8 @@
-"""Cache lifetime: no store (and no cached tensor) survives into VAE decoding, exceptions or interrupts."""
+"""Cache lifetime: no store (and no cached tensor) survives into VAE decoding, exceptions or interrupts.
+
+With reuse off; what reuse keeps past a request (host and file copies, nothing on the device) is tested in
+test_reuse_lifetime.py.
+"""
 
 import gc
 import os
@@ -44,7 +48,7 @@ class DecodeProbe:
 @pytest.mark.parametrize("mode", LOSSLESS_MODES)
 def test_qwen21_no_store_alive_while_vae_decodes(qwen_pipe, images, store_log, monkeypatch, mode):
     probe = DecodeProbe(monkeypatch, qwen_pipe.vae, store_log)
-    enable_kv_offload(qwen_pipe, mode)
+    enable_kv_offload(qwen_pipe, mode, reuse=False)
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     assert len(store_log.stores) == 2  # cond + uncond were really offloaded...
     assert probe.calls == [(0, 0)]  # ...and both were closed before decode, with nothing left resident
@@ -53,7 +57,7 @@ def test_qwen21_no_store_alive_while_vae_decodes(qwen_pipe, images, store_log, m
 @pytest.mark.parametrize("mode", ["gpu", "ram_async"])
 def test_flux2_no_store_alive_while_vae_decodes(flux_pipe, images, store_log, monkeypatch, mode):
     probe = DecodeProbe(monkeypatch, flux_pipe.vae, store_log)
-    enable_kv_offload(flux_pipe, mode)
+    enable_kv_offload(flux_pipe, mode, reuse=False)
     models.run_pipeline(flux_pipe, images[:1], steps=STEPS, resolution=RES)
     assert len(store_log.stores) == 1
     assert probe.calls == [(0, 0)]
@@ -70,7 +74,7 @@ def test_modular_qwen21_no_store_alive_while_vae_decodes(images, store_log, monk
     pipe = models.qwen21_modular_pipeline(guidance_scale=4.0)
     pipe.set_progress_bar_config(disable=True)
     probe = DecodeProbe(monkeypatch, pipe.vae, store_log)
-    enable_kv_offload(pipe, "ram_sync")
+    enable_kv_offload(pipe, "ram_sync", reuse=False)
     models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     assert len(store_log.stores) == 2 and probe.calls == [(0, 0)]
 
@@ -116,14 +120,14 @@ def test_interrupt_closes_stores_before_decode(qwen_pipe, images, store_log, mon
         pipe._interrupt = True
         return kwargs
 
-    enable_kv_offload(qwen_pipe, "ram_sync")
+    enable_kv_offload(qwen_pipe, "ram_sync", reuse=False)
     args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     qwen_pipe(**args, callback_on_step_end=interrupt)
     assert len(store_log.stores) == 1 and probe.calls == [(0, 0)]
 
 
 def test_latent_output_closes_stores_at_return(qwen_pipe, images, store_log):
-    enable_kv_offload(qwen_pipe, "ram_sync")
+    enable_kv_offload(qwen_pipe, "ram_sync", reuse=False)
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, output_type="latent")
     assert len(store_log.stores) == 1 and store_log.live == []
 
@@ -156,7 +160,7 @@ def test_preview_decode_inside_the_loop_keeps_the_caches(qwen_pipe, images, stor
         pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)
         return kwargs
 
-    enable_kv_offload(qwen_pipe, "ram_async")
+    enable_kv_offload(qwen_pipe, "ram_async", reuse=False)
     args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     out = qwen_pipe(**args, callback_on_step_end=preview).images
     assert live_at_preview == [1] * STEPS and store_log.live == []

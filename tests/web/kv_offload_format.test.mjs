@@ -215,3 +215,13 @@ test("a row's lead names its scope; a legend row has only the scope", () => {
   assert.equal(rowLead({ label: "run", scope: null }), "run: ");
   assert.equal(rowLead({ label: "", scope: null }), "");
 });
+
+test("readout: the server's prefix-reuse line is its own last section, nothing when absent", () => {
+  const line = "reuse: 3 hits, 1 miss, 1 kept (14.2 MiB host)";
+  const sections = buildReadout({ ...cudaPayload(), reuse: { on: true, line } });
+  const last = sections[sections.length - 1];
+  assert.equal(last.title, "reuse");
+  assert.equal(last.rows.length, 1);
+  assert.ok(JSON.stringify(last.rows[0]).includes(line));
+  assert.ok(!buildReadout({ ...cudaPayload(), reuse: null }).some((sec) => sec.title === "reuse"));
+});

@@ -1,0 +1,398 @@
+"""Prefix reuse: a registry of completed stores, looked up by the content their K/V were computed from.
+
+A prefix K/V cache that provably depends only on some inputs (FLUX.2 Klein KV: the reference latents; Qwen-Image
+2.1: prompt embedding, references, slots, target size) can serve a later request with the same inputs and skip
+the extraction pass. `PrefixRegistry` holds such stores between requests:
+
+- a `PrefixKey` is a small hashable header (shapes, dtypes, model identity, scalars) plus content tensors. Its
+  hash uses a digest computed on the tensors' own device (three weighted sums per tensor: a few kernels and one
+  small copy to the host); on a digest match the full content, kept on the host, is compared with `torch.equal`,
+  so two different prefixes never share an entry, however their digests collide.
+- an entry is one completed store, sealed (read-only) and parked (its device ring freed) while it waits. A hit
+  leases it to one request at a time; a request that finds its entry leased extracts anew.
+- byte budgets per place (`device`, `host` = pinned + pageable RAM, `file`) bound what is kept; least recently
+  used entries are evicted first, and eviction closes the store (frees its memory, deletes its files).
+- `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
+
+The engine stays model-agnostic: what goes into a key is decided by the adapter (`offload_core.diffusers`, the
+ComfyUI nodes); `model_fingerprint` is the part every torch model shares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import struct
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import psutil
+import torch
+
+log = logging.getLogger(__name__)
+
+PLACES = ("device", "host", "file")
+REUSE_STATS_VERSION = 1
+_PROBE = 64  # elements sampled per parameter for the weight fingerprint
+
+
+# -- keys ------------------------------------------------------------------------------------------------------
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """Three fp32 numbers on `t`'s device: the plain sum and two sums weighted by fixed position patterns."""
+    x = t.detach().reshape(-1).float()
+    pos = torch.arange(x.numel(), device=x.device, dtype=torch.float32)
+    return torch.stack([x.sum(), (x * torch.sin(pos * 1.6180339)).sum(), (x * torch.cos(pos * 0.7071068 + 0.3)).sum()])
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixKey:
+    """What a prefix's K/V were computed from. Build it with `PrefixKey.build`.
+
+    header: a hashable tuple of everything that is not tensor content (shapes, dtypes, model identity, scalars).
+    tensors: host copies of the content tensors, compared in full on a hit.
+    """
+
+    header: tuple
+    digest: bytes
+    tensors: Tuple[torch.Tensor, ...]
+
+    @classmethod
+    def build(cls, header: tuple, tensors: Sequence[torch.Tensor]) -> "PrefixKey":
+        tensors = [t.detach() for t in tensors]
+        shapes = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+        if tensors:
+            by_device: Dict[torch.device, List[torch.Tensor]] = {}
+            for t in tensors:
+                by_device.setdefault(t.device, []).append(_digest(t))
+            digest = b"".join(struct.pack(f"{3 * len(ds)}f", *torch.cat(ds).cpu().tolist())
+                              for _, ds in sorted(by_device.items(), key=lambda kv: str(kv[0])))
+        else:
+            digest = b""
+        # The header is hashed as its repr: it holds only plain values (ints, strings, tuples).
+        head = hashlib.sha256(repr((header, shapes)).encode()).digest()
+        return cls((header, shapes), head + digest, tuple(tensors))
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def matches(self, other: "PrefixKey") -> bool:
+        """Full comparison: header, then every content tensor element by element."""
+        if self.header != other.header or self.digest != other.digest:
+            return False
+        return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(self.tensors, other.tensors))
+
+    def on_host(self) -> "PrefixKey":
+        """The same key with its content copied to host memory (what an entry keeps: no VRAM between requests)."""
+        return PrefixKey(self.header, self.digest, tuple(t.to("cpu", copy=True) for t in self.tensors))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def model_fingerprint(module: torch.nn.Module) -> Tuple[str, torch.Tensor]:
+    """(identity string, weight probe) of a torch model as it affects its outputs now.
+
+    The identity covers the object, every parameter and buffer (name, shape, dtype, in-place version counter),
+    adapter state that PEFT keeps on layers (active / merged adapters, scaling, disabled) and the attention
+    processors. The probe samples `_PROBE` elements of every parameter, so weights replaced or edited through
+    `.data` (which version counters do not see, e.g. a LoRA fused and then unloaded) change it too. Device
+    placement is left out on purpose: model CPU offload moves the weights every request.
+    """
+    parts: List[object] = [id(module), type(module).__qualname__]
+    probes: Dict[torch.device, List[torch.Tensor]] = {}
+    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
+        parts.append((name, tuple(p.shape), str(p.dtype), p._version))
+        flat = p.detach().reshape(-1)
+        if flat.numel() and p.device.type != "meta":
+            step = max(1, flat.numel() // _PROBE)
+            probes.setdefault(p.device, []).append(flat[::step][:_PROBE].float())
+    for name, sub in module.named_modules():
+        state = tuple(repr(getattr(sub, a)) for a in ("merged_adapters", "active_adapters", "scaling",
+                                                        "disable_adapters") if hasattr(sub, a))
+        processor = getattr(sub, "processor", None)
+        if state or processor is not None:
+            parts.append((name, state, type(processor).__qualname__,
+                          repr(getattr(processor, "_attention_backend", None))))
+    probe = torch.cat([torch.cat(ps).cpu() for _, ps in sorted(probes.items(), key=lambda kv: str(kv[0]))]) \
+        if probes else torch.zeros(0)
+    return hashlib.sha256(repr(parts).encode()).hexdigest(), probe
+
+
+# -- budgets ---------------------------------------------------------------------------------------------------
+BudgetSpec = Union[None, int, Mapping[str, Optional[int]]]
+
+
+def parse_budget(value: BudgetSpec, *, option: str = "reuse_budget") -> Dict[str, Optional[int]]:
+    """`None` (defaults), bytes for every place, or `{place: bytes}` -> `{place: bytes or None}`.
+
+    None for a place means: a quarter of what is free there when an entry is admitted (device: 0, so by
+    default nothing is kept in VRAM between requests; on a CPU the compute "device" is host RAM and counts as
+    `host`).
+    """
+    out: Dict[str, Optional[int]] = {"device": 0, "host": None, "file": None}
+    if value is None:
+        return out
+    if isinstance(value, bool) or not isinstance(value, (int, Mapping)):
+        raise ValueError(f"`{option}` must be None, a byte count or a dict {{place: bytes}} with places "
+                         f"{', '.join(PLACES)}; got {value!r}. Pass e.g. {{'host': 8 << 30}}.")
+    items = {place: value for place in PLACES} if isinstance(value, int) else dict(value)
+    for place, n in items.items():
+        if place not in PLACES:
+            raise ValueError(f"`{option}` has an unknown place {place!r}; the places are {', '.join(PLACES)}. "
+                             f"Use e.g. {{'host': 8 << 30, 'file': 32 << 30}}.")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"`{option}[{place!r}]` must be a byte count >= 0 or None; got {n!r}.")
+        out[place] = n
+    return out
+
+
+def store_places(stats: dict) -> Dict[str, int]:
+    """A store's `stats()["bytes"]` folded into the registry's places (a CPU "device" is host RAM)."""
+    b = stats.get("bytes", {})
+    device = int(b.get("device", 0))
+    host = int(b.get("host_pinned", 0)) + int(b.get("host_pageable", 0))
+    if str(stats.get("device", "")).startswith("cpu"):
+        device, host = 0, host + device
+    return {"device": device, "host": host, "file": int(b.get("file", 0))}
+
+
+def _free_in(place: str, store) -> int:
+    if place == "host":
+        return int(psutil.virtual_memory().available)
+    if place == "file":
+        where = (store.stats().get("file_dir") if store is not None else None) or "."
+        try:
+            return int(shutil.disk_usage(where).free)
+        except OSError:
+            return 0
+    return 0
+
+
+# -- the registry ----------------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Entry:
+    key: PrefixKey
+    store: object
+    places: Dict[str, int]
+    label: str = ""
+    hits: int = 0
+    leased: bool = False
+    doomed: bool = False  # evicted while leased: closed on release
+
+
+@dataclass
+class _Counters:
+    hits: int = 0
+    misses: int = 0
+    admitted: int = 0
+    evictions: int = 0
+    rejected: int = 0
+    busy: int = 0
+    last_eviction: Optional[str] = None
+    last_rejection: Optional[str] = None
+    events: List[str] = field(default_factory=list)
+
+
+class PrefixRegistry:
+    """Completed stores by `PrefixKey`, within byte budgets per place, least recently used evicted first.
+
+    Thread-safe. A store handed to `admit` belongs to the registry from then on (it closes it on eviction, on
+    `close()` and at process exit); a store got from `lookup` is leased to the caller until `release`.
+    """
+
+    def __init__(self, budget: BudgetSpec = None, name: str = ""):
+        self.budget = parse_budget(budget)
+        self.name = name
+        self._entries: "OrderedDict[int, List[Entry]]" = OrderedDict()
+        self._lru: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, oldest first
+        self._doomed: List[Entry] = []  # evicted while leased: closed on release, or by close()
+        self._lock = threading.RLock()
+        self._counters = _Counters()
+        self.closed = False
+        self._finalizer = weakref.finalize(self, _close_entries, self._lru)
+
+    # -- lookup / admit / release ----------------------------------------------------------------------------
+    def lookup(self, key: PrefixKey) -> Optional[Entry]:
+        """The entry for `key`, leased to the caller, or None (a miss: extract, then `admit`)."""
+        with self._lock:
+            if self.closed:
+                return None
+            for entry in self._entries.get(hash(key), []):
+                if entry.key.matches(key):
+                    if entry.leased:  # another request reads it right now: its ring is single-consumer
+                        self._counters.busy += 1
+                        break
+                    entry.leased, entry.hits = True, entry.hits + 1
+                    self._lru.move_to_end(id(entry))
+                    self._counters.hits += 1
+                    return entry
+            self._counters.misses += 1
+            return None
+
+    def release(self, entry: Entry, *, ok: bool = True) -> None:
+        """End a lease. `ok=False` (the request failed while reading it) evicts the entry: it may be damaged."""
+        with self._lock:
+            entry.leased = False
+            if not ok:
+                self._evict(entry, "the request that read it failed")
+            doomed = entry.doomed
+            self._doomed = [e for e in self._doomed if e is not entry]
+        if doomed:  # evicted while it was being read: closed only now that its reader is done
+            _close_quietly(entry.store)
+        else:
+            self._park(entry.store)
+
+    def admit(self, key: PrefixKey, store, label: str = "") -> bool:
+        """Keep the completed `store` for `key`; evicts older entries to make room. False: closed instead.
+
+        The store must be complete (every layer put) and no longer written to; it is sealed and parked here.
+        """
+        self._park(store)
+        places = store_places(store.stats())
+        with self._lock:
+            reason = self._why_not(key, store, places)
+            if reason is None:
+                entry = Entry(key.on_host(), store, places, label)
+                self._entries.setdefault(hash(key), []).append(entry)
+                self._lru[id(entry)] = entry
+                self._counters.admitted += 1
+                return True
+            self._counters.rejected += 1
+            self._counters.last_rejection = reason
+        log.info("KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", reason)
+        store.close()
+        return False
+
+    def note_rejection(self, why: str) -> None:
+        """Count a completed store the caller closed instead of offering it (e.g. its files go with a run)."""
+        with self._lock:
+            self._counters.rejected += 1
+            self._counters.last_rejection = why
+
+    def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Optional[str]:
+        if self.closed:
+            return "the registry is closed"
+        if any(e.key.matches(key) for e in self._entries.get(hash(key), [])):
+            return "an entry for the same prefix is kept already"
+        limits = {p: self._limit(p, store) for p in PLACES}
+        for place, n in places.items():
+            if n > limits[place]:
+                return f"it needs {n / 2**20:.1f} MiB of {place}, the reuse budget there is {limits[place] / 2**20:.1f} MiB"
+        for victim in list(self._lru.values()):
+            if all(self._used(p) + places[p] <= limits[p] for p in PLACES):
+                break
+            if not victim.leased:
+                self._evict(victim, "least recently used, to make room")
+        if not all(self._used(p) + places[p] <= limits[p] for p in PLACES):
+            return "the entries that would have to go are in use"
+        return None
+
+    def _limit(self, place: str, store) -> int:
+        n = self.budget[place]
+        return n if n is not None else (self._used(place) + _free_in(place, store)) // 4
+
+    def _used(self, place: str) -> int:
+        return sum(e.places[place] for e in self._lru.values())
+
+    # -- eviction ----------------------------------------------------------------------------------------------
+    def _evict(self, entry: Entry, why: str) -> None:
+        """Forget `entry` (no later lookup finds it) and close its store — at once, or, while a request reads
+        it, when that request releases it: a store is never closed under its reader."""
+        if self._lru.pop(id(entry), None) is None:
+            return
+        bucket = self._entries.get(hash(entry.key), [])
+        bucket[:] = [e for e in bucket if e is not entry]
+        if not bucket:
+            self._entries.pop(hash(entry.key), None)
+        self._counters.evictions += 1
+        self._counters.last_eviction = why
+        if entry.leased:
+            entry.doomed = True
+            self._doomed.append(entry)
+        else:
+            _close_quietly(entry.store)
+
+    def evict_where(self, predicate, why: str, *, leased: bool = True) -> int:
+        """Evict every entry whose key satisfies `predicate(key)` (`leased=False`: only those not in use; a leased
+        one is closed when its reader releases it)."""
+        with self._lock:
+            victims = [e for e in self._lru.values() if (leased or not e.leased) and predicate(e.key)]
+            for entry in victims:
+                self._evict(entry, why)
+            return len(victims)
+
+    def clear(self, why: str = "cleared") -> int:
+        return self.evict_where(lambda key: True, why)
+
+    def close(self) -> None:
+        """Close every entry's store, leased ones too (memory freed, files deleted). Idempotent; later admits
+        are refused."""
+        with self._lock:
+            if self.closed:
+                return
+            self.clear("the registry was closed")
+            doomed, self._doomed = self._doomed, []
+            for entry in doomed:  # closing outranks a reader: nothing may outlive the registry
+                _close_quietly(entry.store)
+            self.closed = True
+            self._finalizer.detach()
+
+    @staticmethod
+    def _park(store) -> None:
+        park = getattr(store, "park", None)
+        if callable(park):
+            park()
+
+    # -- reporting ---------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def stats(self) -> dict:
+        """Plain dict: counters, bytes held per place, budgets, and one line per entry."""
+        with self._lock:
+            c = self._counters
+            return {
+                "v": REUSE_STATS_VERSION,
+                "enabled": not self.closed,
+                "hits": c.hits, "misses": c.misses, "admitted": c.admitted, "evictions": c.evictions,
+                "rejected": c.rejected, "busy": c.busy,
+                "last_eviction": c.last_eviction, "last_rejection": c.last_rejection,
+                "entries": len(self._lru),
+                "bytes": {p: self._used(p) for p in PLACES},
+                "budget": dict(self.budget),
+                "held": [{"label": e.label, "hits": e.hits, "bytes": dict(e.places), "leased": e.leased,
+                          "key_bytes": e.key.nbytes} for e in self._lru.values()],
+            }
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        log.warning("KV offload reuse: closing a kept store failed", exc_info=True)
+
+
+def _close_entries(lru: "OrderedDict[int, Entry]") -> None:
+    # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included.
+    for entry in list(lru.values()):
+        try:
+            entry.store.close()
+        except Exception:
+            pass
+    lru.clear()
+
+
+def describe(stats: Optional[dict]) -> str:
+    """One line for logs and the text readout, e.g. 'reuse: 3 hits, 1 miss, 2 kept (14.2 MiB host)'."""
+    if not stats:
+        return "reuse: off"
+    held = ", ".join(f"{n / 2**20:.1f} MiB {p}" for p, n in stats["bytes"].items() if n)
+    return (f"reuse: {stats['hits']} hit{'s' * (stats['hits'] != 1)}, {stats['misses']} "
+            f"miss{'es' * (stats['misses'] != 1)}, {stats['entries']} kept" + (f" ({held})" if held else "")
+            + (f", {stats['evictions']} evicted" if stats["evictions"] else ""))
+

@@ -1,0 +1,208 @@
+"""The prefix registry: content keys, full comparison on a hit, budgets, LRU eviction, nothing left behind."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from offload_core import KVStore, Mode, OffloadConfig
+from offload_core import reuse
+from offload_core.reuse import PrefixKey, PrefixRegistry, model_fingerprint, parse_budget
+
+TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
+LAYERS = 3
+
+
+def filled_store(mode, tmp_path, seed=0, tokens=16):
+    config = OffloadConfig(mode=mode, file_dir=str(tmp_path) if Mode(mode).is_file else None)
+    store = KVStore(config, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    layers = {i: (torch.randn(1, tokens, 2, 8, generator=gen), torch.randn(1, tokens, 2, 8, generator=gen))
+              for i in range(LAYERS)}
+    for i, (k, v) in layers.items():
+        store.put(i, k, v)
+    for i in range(LAYERS):  # one request's cached steps: the store learns its order and fills its ring
+        store.get(i)
+    return store, layers
+
+
+def key(*tensors, header=("model", 1)):
+    return PrefixKey.build(header, list(tensors))
+
+
+def files(path):
+    return [f for _, _, fs in os.walk(path) for f in fs]
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_a_hit_serves_the_kept_store_bit_identically(mode, tmp_path):
+    registry = PrefixRegistry({"device": 1 << 30, "host": 1 << 30, "file": 1 << 30})
+    store, layers = filled_store(mode, tmp_path)
+    ref = torch.randn(1, 5, 4)
+    assert registry.lookup(key(ref)) is None
+    assert registry.admit(key(ref), store, "cond")
+    assert store.sealed and not store.closed
+    if mode != "gpu":
+        assert store.stats()["device_bytes"] == 0  # parked: the ring of device slots is gone
+    with pytest.raises(RuntimeError, match="sealed"):
+        store.put(LAYERS, *layers[0])
+    entry = registry.lookup(key(ref.clone()))
+    assert entry is not None and entry.store is store
+    for _ in range(2):
+        for i in range(LAYERS):
+            k, v = store.get(i)
+            assert torch.equal(k, layers[i][0]) and torch.equal(v, layers[i][1])
+    registry.release(entry)
+    stats = registry.stats()
+    assert (stats["hits"], stats["misses"], stats["entries"]) == (1, 1, 1)
+    registry.close()
+    assert store.closed and files(tmp_path) == []
+
+
+def test_every_key_component_is_compared(tmp_path):
+    registry = PrefixRegistry({"host": 1 << 30})
+    ref, txt = torch.randn(1, 5, 4), torch.randn(1, 3, 4)
+    registry.admit(key(ref, txt), filled_store("ram_sync", tmp_path)[0])
+    changed = ref.clone()
+    changed[0, 4, 3] += 1e-3
+    misses = [key(changed, txt), key(ref, txt, header=("model", 2)), key(ref), key(ref.double(), txt),
+              key(ref[:, :4], txt), key(ref, txt.to(torch.bfloat16))]
+    assert all(registry.lookup(k) is None for k in misses)
+    assert registry.lookup(key(ref.clone(), txt.clone())) is not None
+
+
+def test_a_digest_collision_is_still_a_miss(tmp_path, monkeypatch):
+    """Keys are compared in full on a hit: equal digests with different content never share an entry."""
+    monkeypatch.setattr(reuse, "_digest", lambda t: torch.zeros(3))
+    registry = PrefixRegistry({"host": 1 << 30})
+    a, b = torch.zeros(1, 4), torch.ones(1, 4)
+    assert key(a).digest == key(b).digest
+    registry.admit(key(a), filled_store("ram_sync", tmp_path)[0])
+    assert registry.lookup(key(b)) is None
+    assert registry.lookup(key(a)) is not None
+
+
+def test_budget_evicts_least_recently_used_and_deletes_its_files(tmp_path):
+    one, _ = filled_store("file_sync", tmp_path, seed=0)
+    size = reuse.store_places(one.stats())["file"]
+    registry = PrefixRegistry({"file": 2 * size, "host": 1 << 30})
+    a, b, c = (torch.full((1, 2), float(i)) for i in range(3))
+    registry.admit(key(a), one)
+    registry.admit(key(b), filled_store("file_sync", tmp_path, seed=1)[0])
+    registry.release(registry.lookup(key(a)))  # a is now the most recently used
+    registry.admit(key(c), filled_store("file_sync", tmp_path, seed=2)[0])
+    stats = registry.stats()
+    assert stats["entries"] == 2 and stats["evictions"] == 1 and stats["bytes"]["file"] == 2 * size
+    assert registry.lookup(key(b)) is None and registry.lookup(key(a)) is not None
+    assert len(files(tmp_path)) == 2 * LAYERS  # the evicted store's files are gone
+    registry.close()
+    assert files(tmp_path) == []
+
+
+def test_an_entry_larger_than_the_budget_is_closed_not_kept(tmp_path):
+    registry = PrefixRegistry({"host": 10})
+    store, _ = filled_store("ram_sync", tmp_path)
+    assert not registry.admit(key(torch.zeros(1)), store)
+    assert store.closed and registry.stats()["rejected"] == 1
+    assert "budget" in registry.stats()["last_rejection"]
+
+
+def test_by_default_nothing_is_kept_on_the_device(tmp_path, monkeypatch):
+    registry = PrefixRegistry()
+    store, _ = filled_store("gpu", tmp_path)
+    # Without CUDA the gpu tier's "device" is host RAM; report it as an accelerator's to check the device rule.
+    stats = store.stats()
+    monkeypatch.setattr(store, "stats", lambda: {**stats, "device": "cuda:0"})
+    assert not registry.admit(key(torch.zeros(1)), store) and store.closed
+    assert "budget there is 0.0 MiB" in registry.stats()["last_rejection"]
+    on_cpu, _ = filled_store("gpu", tmp_path)  # a CPU's device memory is host RAM: kept within the host budget
+    assert registry.admit(key(torch.ones(1)), on_cpu) and registry.stats()["bytes"]["device"] == 0
+    kept, _ = filled_store("ram_sync", tmp_path)
+    assert registry.admit(key(torch.full((1,), 2.0)), kept)  # host: a quarter of the free RAM
+
+
+def test_a_leased_entry_is_not_served_twice_and_a_failed_reader_evicts_it(tmp_path):
+    registry = PrefixRegistry({"host": 1 << 30})
+    store, _ = filled_store("ram_sync", tmp_path)
+    registry.admit(key(torch.zeros(1)), store)
+    entry = registry.lookup(key(torch.zeros(1)))
+    assert registry.lookup(key(torch.zeros(1))) is None and registry.stats()["busy"] == 1
+    registry.release(entry, ok=False)
+    assert store.closed and len(registry) == 0
+
+
+def test_the_same_prefix_is_kept_once(tmp_path):
+    registry = PrefixRegistry({"host": 1 << 30})
+    first, _ = filled_store("ram_sync", tmp_path)
+    second, _ = filled_store("ram_sync", tmp_path)
+    assert registry.admit(key(torch.zeros(1)), first)
+    assert not registry.admit(key(torch.zeros(1)), second) and second.closed and not first.closed
+
+
+def test_dropping_the_registry_closes_its_stores(tmp_path):
+    registry = PrefixRegistry({"file": 1 << 30, "host": 1 << 30})
+    registry.admit(key(torch.zeros(1)), filled_store("file_sync", tmp_path)[0])
+    assert files(tmp_path)
+    del registry
+    import gc
+
+    gc.collect()
+    assert files(tmp_path) == []
+
+
+def test_process_exit_leaves_no_files(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch
+        from offload_core import KVStore, OffloadConfig
+        from offload_core.reuse import PrefixKey, PrefixRegistry
+        registry = PrefixRegistry({{"file": 1 << 30, "host": 1 << 30}})
+        store = KVStore(OffloadConfig(mode="file_sync", file_dir={str(tmp_path)!r}), "cpu")
+        store.put(0, torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2, 8))
+        assert registry.admit(PrefixKey.build(("m",), [torch.zeros(1)]), store)
+        import os; print(len(os.listdir({str(tmp_path)!r})))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1" and files(tmp_path) == []
+
+
+def test_budget_errors_name_the_option_and_the_fix():
+    with pytest.raises(ValueError, match=r"`reuse_budget` has an unknown place 'vram'"):
+        parse_budget({"vram": 1})
+    with pytest.raises(ValueError, match=r"`reuse_budget\['host'\]` must be a byte count >= 0"):
+        parse_budget({"host": -1})
+    with pytest.raises(ValueError, match="must be None, a byte count or a dict"):
+        parse_budget("8G")
+    assert parse_budget(5) == {"device": 5, "host": 5, "file": 5}
+
+
+def test_model_fingerprint_follows_the_weights_not_their_placement():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    ident, probe = model_fingerprint(model)
+    for p in model.parameters():  # what model CPU offload does every request: same values, new storage
+        p.data = p.data.clone()
+    assert model_fingerprint(model)[0] == ident and torch.equal(model_fingerprint(model)[1], probe)
+    with torch.no_grad():
+        model[0].weight.add_(0)  # an in-place edit: the version counter moves even if the values do not
+    assert model_fingerprint(model)[0] != ident
+    ident, probe = model_fingerprint(model)
+    model[0].weight.data += 1  # a fused LoRA: `.data` edits bypass the version counter; the probe sees them
+    assert not torch.equal(model_fingerprint(model)[1], probe)
+    model.add_module("lora", torch.nn.Linear(4, 1))  # an adapter loaded: new parameters
+    assert model_fingerprint(model)[0] != ident
+
+
+def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_path):
+    registry = PrefixRegistry({"host": 1 << 30})
+    store, layers = filled_store("ram_sync", tmp_path)
+    registry.admit(key(torch.zeros(1)), store)
+    entry = registry.lookup(key(torch.zeros(1)))
+    assert registry.clear("the model was unloaded") == 1
+    assert not store.closed and registry.lookup(key(torch.zeros(1))) is None  # gone for new requests...
+    assert torch.equal(store.get(0)[0], layers[0][0])  # ...still readable by the request that holds it
+    registry.release(entry)
+    assert store.closed and len(registry) == 0

@@ -1,0 +1,207 @@
+"""Prefix reuse in the nodes: Qwen-Image 2.1 re-queued with a new seed skips its fill pass through the model's
+own prefix-cache interface; an unload, another patch set or a cleared cache invalidates; FluxKVCache semantics
+keep reuse off and give the same latents as with it off, run after run."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
+from kv_offload_pack.nodes.reuse import FLUX_KV_REASON, REUSE
+from kv_offload_pack.nodes.telemetry import TelemetryHub
+from kv_offload_pack.offload_core import HostServices, KVStore
+
+from nodes_tiny import FakePatcher, TinyDiT, Tiny21, sample
+
+
+class Patcher(FakePatcher):
+    """FakePatcher plus the ModelPatcher parts reuse touches: `patches_uuid` and callbacks."""
+
+    def __init__(self, dm, model_options=None):
+        super().__init__(dm, model_options)
+        self.callbacks = {}
+
+    def clone(self):
+        n = super().clone()
+        out = Patcher(n.dm, n.model_options)
+        out.wrappers, out.object_patches, out.callbacks = n.wrappers, n.object_patches, dict(self.callbacks)
+        return out
+
+    def add_callback(self, kind, fn):
+        self.callbacks.setdefault(kind, []).append(fn)
+
+    def detach(self):  # what ModelPatcher.detach does after unloading
+        for fn in self.callbacks.get("on_detach_after", []):
+            fn(self, True)
+
+
+@pytest.fixture(autouse=True)
+def _empty_registry():
+    REUSE.reset()
+    yield
+    REUSE.reset()
+
+
+class Fills:
+    """Counts the prefix rows the tiny 2.1 model computes: a fill pass runs its blocks over the prefix."""
+
+    def __init__(self, dm, prefix_len):
+        self.prefix_len, self.count = prefix_len, 0
+        real = dm._attend
+
+        def attend(i, x, *a):
+            if x.shape[1] == self.prefix_len:
+                self.count += 1
+            return real(i, x, *a)
+
+        dm._attend = attend
+
+
+def inputs(seed=0, prompt=0, cfg=False, n_img=6):
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(1, n_img, 32, generator=g)
+    c = torch.Generator().manual_seed(100 + prompt)  # the prompt / reference part: independent of the seed
+    n = 2 if cfg else 1
+    return noise, [torch.randn(1, 5, 32, generator=c) for _ in range(n)], [torch.randn(1, 3, 32, generator=c) for _ in range(n)]
+
+
+def patched(dm, mode="ram_sync", reuse=True, tmp_path=None):
+    host = HostServices(temp_dir=lambda: str(tmp_path)) if tmp_path else None
+    m, _ = apply_offload(Patcher(dm), config_from_inputs(mode), host=lambda p: host, store_factory=KVStore,
+                         reuse=reuse)
+    for name, obj in m.object_patches.items():  # what ModelPatcher does while the model is patched
+        setattr(dm, name.split(".", 1)[1], obj)
+    return m
+
+
+def queue(dm, m, **kw):
+    """One queued graph: ModelPatcher.pre_run, sampling, cleanup."""
+    cfg = kw.pop("cfg", None)
+    noise, refs, txts = inputs(cfg=cfg is not None, **kw)
+    dm.reset_prefix_cache(True)
+    try:
+        return sample(dm, m.options(), noise, refs, txts, cfg=cfg, batched=False)
+    finally:
+        dm.reset_prefix_cache(False)
+
+
+def own_cache(seed, cfg=None):
+    """The model alone, with its own (per-run) prefix cache: the reference."""
+    dm = Tiny21()
+    noise, refs, txts = inputs(seed, cfg=cfg is not None)
+    dm.reset_prefix_cache(True)
+    return sample(dm, {"transformer_options": {}}, noise, refs, txts, cfg=cfg, batched=False)
+
+
+@pytest.mark.parametrize("cfg", [None, 3.0])
+@pytest.mark.parametrize("mode", ["ram_sync", "ram_async", "auto"])  # auto on a CPU: the gpu tier
+def test_requeue_with_a_new_seed_skips_the_fill_pass_and_matches(mode, cfg):
+    dm = Tiny21()
+    m = patched(dm, mode)
+    fills = Fills(dm, prefix_len=8)
+    assert torch.equal(queue(dm, m, seed=0, cfg=cfg), own_cache(0, cfg))
+    filled = fills.count
+    assert filled == 3 * (2 if cfg else 1)  # every block ran the prefix once per cond
+    for seed in (1, 2):
+        assert torch.equal(queue(dm, m, seed=seed, cfg=cfg), own_cache(seed, cfg))
+    assert fills.count == filled  # no fill pass on the re-queued runs
+    snap = REUSE.snapshot()
+    assert snap["on"] and snap["hits"] == 2 * (2 if cfg else 1) and snap["entries"] == (2 if cfg else 1)
+
+
+def test_reuse_off_fills_every_run():
+    dm = Tiny21()
+    m = patched(dm, reuse=False)
+    fills = Fills(dm, prefix_len=8)
+    queue(dm, m, seed=0)
+    queue(dm, m, seed=1)
+    assert fills.count == 6 and len(REUSE.registry) == 0
+    assert not REUSE.snapshot()["on"] and "reuse input is off" in REUSE.snapshot()["reason"]
+
+
+def test_what_invalidates_a_kept_prefix():
+    dm = Tiny21()
+    m = patched(dm)
+    fills = Fills(dm, prefix_len=8)
+    queue(dm, m)
+    before = fills.count
+    queue(dm, m, prompt=1)  # another prompt / references
+    queue(dm, m, n_img=7)  # another target size
+    assert fills.count == before + 6
+    dm.current_patcher = SimpleNamespace(patches_uuid="lora-a", object_patches={})  # another weight-patch set
+    queue(dm, m)
+    assert fills.count == before + 9
+    queue(dm, m, seed=4)
+    assert fills.count == before + 9  # ... which is then kept in turn
+    m.detach()  # the model is unloaded
+    assert len(REUSE.registry) == 0
+    queue(dm, m)
+    assert fills.count == before + 12
+    REUSE.clear()  # a cleared cache
+    queue(dm, m)
+    assert fills.count == before + 15
+
+
+def test_a_deleted_model_takes_its_prefixes_along():
+    import gc
+
+    dm = Tiny21()
+    queue(dm, patched(dm))
+    assert len(REUSE.registry) == 1
+    store = REUSE.registry._lru.copy().popitem()[1].store
+    del dm
+    gc.collect()
+    assert len(REUSE.registry) == 0 and store.closed
+
+
+def test_file_modes_keep_nothing_past_the_run(tmp_path):
+    dm = Tiny21()
+    m = patched(dm, "file_sync", tmp_path=tmp_path)
+    queue(dm, m)
+    assert len(REUSE.registry) == 0 and "cache folder" in REUSE.snapshot()["last_rejection"]
+
+
+def test_an_interrupted_fill_is_not_kept():
+    dm = Tiny21()
+    m = patched(dm)
+    real = dm._attend
+
+    def attend(i, *a):
+        if i == 1:  # blocks 0 and 1 have put their K/V, block 2 never will
+            raise KeyboardInterrupt("interrupted mid-fill")
+        return real(i, *a)
+
+    dm._attend = attend
+    with pytest.raises(KeyboardInterrupt):
+        queue(dm, m)
+    assert len(REUSE.registry) == 0
+
+
+def test_the_readout_payload_shows_hits_and_what_is_held():
+    dm = Tiny21()
+    m = patched(dm)
+    queue(dm, m)
+    queue(dm, m, seed=1)
+    reuse = TelemetryHub(memory=lambda device=None: {}).snapshot()["reuse"]
+    assert reuse["on"] and reuse["hits"] == 1 and reuse["entries"] == 1 and reuse["bytes"]["host"] > 0
+    assert reuse["line"].startswith("reuse: 1 hit, 1 miss, 1 kept (")
+
+
+def _flux(reuse, seed, model):
+    noise = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(9)
+    refs, txts = [torch.randn(1, 4, 32, generator=g)] * 2, [torch.randn(1, 3, 32, generator=g)] * 2
+    m, _ = apply_offload(Patcher(model), config_from_inputs("ram_sync"), host=lambda p: None,
+                         store_factory=KVStore, reuse=reuse)
+    return sample(model, m.options(), noise, refs, txts, cfg=2.0)
+
+
+def test_flux_kv_cache_semantics_keep_reuse_off_and_the_latents_unchanged():
+    model = TinyDiT()
+    for seed in (0, 1, 0):
+        assert torch.equal(_flux(True, seed, model), _flux(False, seed, model))
+        assert len(REUSE.registry) == 0
+    _flux(True, 0, model)
+    snap = REUSE.snapshot()
+    assert not snap["on"] and snap["reason"] == FLUX_KV_REASON and snap["line"] == f"reuse {FLUX_KV_REASON}"
