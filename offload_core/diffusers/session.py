@@ -291,9 +291,10 @@ def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
 
 
 def _close_quietly(store: KVStore) -> None:
+    """A second try after `close` or `admit` failed; an interrupt here is dropped: the first one is re-raised."""
     try:
         store.close()
-    except Exception:
+    except BaseException:
         logger.error("KV offload: closing a store failed", exc_info=True)
 
 
