@@ -261,12 +261,12 @@ class RunState:
         for u in list(self.branches):
             try:
                 self._drop(u)
-            except Exception as e:  # close the others anyway
+            except BaseException as e:  # close the others anyway, also after a Ctrl-C in one close
                 errors.append(e)
         self.branches.clear()
         self._remove_temp_dir()
-        if errors:
-            raise errors[0]
+        if errors:  # an interrupt first: it must not be replaced by an error from another store
+            raise next((e for e in errors if not isinstance(e, Exception)), errors[0])
 
     def _remove_temp_dir(self) -> None:
         # The host's per-run directory (see nodes/host.py) goes with the run; the stores removed their own.

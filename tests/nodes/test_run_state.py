@@ -1,5 +1,6 @@
 """`RunState` on real engine stores: when a capture counts, how `auto` sizes cond and uncond, readout names."""
 
+import pytest
 import torch
 
 from kv_offload_pack.nodes.patches import RefKVAttention
@@ -57,3 +58,23 @@ def test_readout_names_are_unique_within_a_run():
     run.put("ffff-3", 0, k, k, label="uncond")
     run.close()
     assert names == ["cond", "cond 2", "uncond"]
+
+
+# --- cleanup ------------------------------------------------------------------------------------------------------
+
+def test_an_interrupt_while_closing_one_store_still_closes_the_others(tmp_path):
+    run = RunState(OffloadConfig(mode="ram_sync"), HostServices(), n_layers=1, store_factory=KVStore)
+    k = torch.randn(1, 2, 4, 8)
+    run.begin_forward(["c", "u"], ref_tokens=4, batch=2)
+    run.put("c", 0, k, k)
+    run.put("u", 0, k, k)
+    first, second = (b.store for b in run.branches.values())
+
+    def interrupted_close():
+        KVStore.close(first)
+        raise KeyboardInterrupt  # Ctrl-C pressed while the first branch closes
+
+    first.close = interrupted_close
+    with pytest.raises(KeyboardInterrupt):
+        run.close()
+    assert first.closed and second.closed and run.branches == {}
