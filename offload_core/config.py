@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -188,6 +189,11 @@ def _check_storage(mode: Mode, storage) -> str:
 
 def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool], spills: bool = False) -> None:
     file_like = mode.takes_file_options or spills
+    if (mode.is_file or spills) and importlib.util.find_spec("xxhash") is None:
+        raise ValueError(
+            f"mode {mode.value!r} keeps layers in files, which are checksummed with xxhash, and xxhash is not "
+            "installed. Install it (`pip install xxhash`, or `pip install -r requirements.txt` in the ComfyUI pack), "
+            "or pick a RAM or gpu mode.")
     if bypass is not None:
         if not isinstance(bypass, bool):
             raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")

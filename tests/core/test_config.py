@@ -120,3 +120,14 @@ def test_budget_and_storage_rules_per_mode(tmp_path):
     # A RAM mode with a host budget spills to files, so the file options apply to it.
     spill = OffloadConfig(mode="ram_async", host_budget=1 << 20, file_dir=str(tmp_path), bypass_page_cache=False)
     assert spill.file_dir == str(tmp_path)
+
+
+def test_a_file_mode_without_xxhash_is_refused_up_front(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "xxhash" else real(name, *a))
+    for mode in ("file_sync", "file_async"):
+        with pytest.raises(ValueError, match=r"xxhash is not installed.*pip install xxhash"):
+            OffloadConfig(mode=mode)
+    OffloadConfig(mode="ram_async")  # the other modes need no checksums
