@@ -417,6 +417,11 @@ class KVStore:
             for slot in self._slots:
                 slot.pending.settle()
             self._streams.drain()
+            files = self._tiers.get(FILE)
+            for slot in self._slots if files is not None else ():
+                for buffer in (slot.buffer, slot.coded):  # host slots the file tier made go back to the OS
+                    if buffer is not None:
+                        files.release_slot(buffer)
             self._slots = [_Slot() for _ in self._slots]
             self._stats.device_bytes = sum(self._kept[k].k.nbytes + self._kept[k].v.nbytes for k in self._resident)
             self._stats.set_resident(len(self._resident))

@@ -121,6 +121,9 @@ class Tier:
         """A flat uint8 buffer of `nbytes` on `device` for the store's ring (a tier may want it aligned)."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
+    def release_slot(self, slot: torch.Tensor) -> None:
+        """The store drops a ring slot this tier made with `new_slot` (nothing to do for a plain device buffer)."""
+
     def nbytes(self) -> Dict[str, int]:
         raise NotImplementedError
 

@@ -211,6 +211,18 @@ class FileTier(Tier):
         self._host_slots[buf.tensor.data_ptr()] = buf  # kept until close: a stuck read may still fill it
         return buf.tensor
 
+    def release_slot(self, slot: torch.Tensor) -> None:
+        """Frees a host slot made by `new_slot` now (the store parks between requests), unless a read may still
+        fill it: one stuck in the kernel keeps its slot until close, as before."""
+        address = slot.data_ptr()
+        filling = self._filling.get(address)
+        if filling is not None and not filling.done():
+            return
+        self._filling.pop(address, None)
+        buf = self._host_slots.pop(address, None)
+        if buf is not None:
+            buf.release()
+
     def _host_slot(self, slot: torch.Tensor) -> bool:
         """True where the I/O threads may fill `slot` directly: host memory that no queued stream work can still
         read (a real CPU device; not a model of CUDA ordering, where the consumer's kernels may lag)."""

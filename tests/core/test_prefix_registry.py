@@ -207,3 +207,18 @@ def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_
     assert torch.equal(store.get(0)[0], layers[0][0])  # ...still readable by the request that holds it
     registry.release(entry)
     assert store.closed and len(registry) == 0
+
+
+def test_parked_file_store_served_request_after_request_holds_no_more_host_slots(tmp_path):
+    # On a CPU the file tier makes the ring's page-aligned slots and keeps them until close (a stuck read may
+    # still fill one); a park that dropped them and made new ones per request would grow host RAM per hit.
+    store, layers = filled_store("file_async", tmp_path)
+    slots = store._tiers["file"]._host_slots
+    made = len(slots)
+    for _ in range(3):  # three later requests served from the parked store
+        store.park()
+        for i in range(LAYERS):
+            k, v = store.get(i)
+            assert torch.equal(k, layers[i][0]) and torch.equal(v, layers[i][1])
+    assert 0 < made == len(slots) <= store.depth + 1
+    store.close()
