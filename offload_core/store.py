@@ -401,6 +401,15 @@ class KVStore:
                 "get, so two threads would read each other's layers. Create one store per consumer thread.")
 
     @engine_mode
+    def flush(self) -> None:
+        """Waits until every layer put so far is in its place (on disk, for the file modes); raises the first
+        error storing one (`KVWriteError` for a full disk). Never needed for correctness: a `get` waits for its
+        own layer. For measuring, and for a caller that wants write errors at a point of its choosing."""
+        self._check_open("flush")
+        for tier in list(self._tiers.values()):
+            tier.flush()
+
+    @engine_mode
     def park(self) -> None:
         """Between requests (prefix reuse): seal the store and free its ring's device slots; the data stays.
 

@@ -124,9 +124,7 @@ def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) ->
         start = time.perf_counter()
         for key in range(layers):
             store.put(key, k, v)
-        flush = getattr(store._tier, "flush", None)  # the file tiers: until the last layer is on disk
-        if flush is not None:
-            flush()
+        store.flush()  # the file tiers: until the last layer is on disk
         _sync(device)
         put_s = time.perf_counter() - start
         read_s = min(_pass(store, layers, device) for _ in range(2))

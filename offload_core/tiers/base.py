@@ -100,6 +100,7 @@ class Tier:
     load(key, slot, release) -> Pending: copies the layer into the device buffer `slot` (uint8, laid out as
         `layout`), not before `release` (the consumer finished with what the slot held before).
     view(key) -> (k, v): only for `on_device` tiers, which need no slots.
+    flush(): waits until everything stored is in place (the file tiers write in the background).
     nbytes() -> bytes held, by place: {"device", "host_pinned", "host_pageable", "file"}.
     close(): waits for or cancels its own background work, then frees everything. Idempotent.
     """
@@ -123,6 +124,9 @@ class Tier:
 
     def release_slot(self, slot: torch.Tensor) -> None:
         """The store drops a ring slot this tier made with `new_slot` (nothing to do for a plain device buffer)."""
+
+    def flush(self) -> None:
+        """Waits (bounded) until every layer stored so far is in place; raises the first error storing one."""
 
     def nbytes(self) -> Dict[str, int]:
         raise NotImplementedError

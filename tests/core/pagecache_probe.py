@@ -50,7 +50,7 @@ def main():
         store.put(i, k, v)
         del k, v
     baseline, peak, exact = proc.memory_info().rss, 0, True
-    store._tiers["file"].flush()  # every write is on disk
+    store.flush()  # every write is on disk
     store.get(0)
     for i in list(range(1, layers)) + [0]:
         k, v = store.get(i)

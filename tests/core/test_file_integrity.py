@@ -24,7 +24,7 @@ def filled_store(mode, directory, n=3, shape=(1, 2, 300, 64)):
         store.put(key, k, v)
     k, v = store.get(0)
     assert torch.equal(k, layers[0][0]) and torch.equal(v, layers[0][1])
-    store._tiers["file"].flush()  # every file is on disk before a test damages one
+    store.flush()  # every file is on disk before a test damages one
     return store, layers
 
 

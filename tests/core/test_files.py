@@ -3,6 +3,7 @@
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -27,9 +28,25 @@ def layer_files(store):
 
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_flush_returns_once_every_layer_is_in_place(mode, tmp_path, monkeypatch):
+    from offload_core.tiers import file as file_tier
+
+    real = file_tier.pwrite_all
+    monkeypatch.setattr(file_tier, "pwrite_all", lambda *a: (time.sleep(0.02), real(*a)))  # a slow disk
+    store, layers = filled_store(mode, tmp_path)
+    store.flush()
+    files = layer_files(store)
+    assert [os.path.basename(f) for f in files] == [f"layer-{i:05d}.safetensors" for i in range(3)]  # no .tmp
+    assert store.stats()["stored_bytes"]["file"] == sum(os.path.getsize(f) for f in files)  # counted once written
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.flush()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_files_are_safetensors_with_4k_aligned_data(mode, tmp_path):
     store, layers = filled_store(mode, tmp_path)
-    store._tiers["file"].flush()  # every write is on disk
+    store.flush()  # every write is on disk
     files = layer_files(store)
     assert [os.path.basename(f) for f in files] == [f"layer-{i:05d}.safetensors" for i in range(3)]
     for i, path in enumerate(files):
@@ -65,7 +82,7 @@ def test_damaged_file_gives_a_clear_error_naming_it(mode, how, match, tmp_path):
     store, layers = filled_store(mode, tmp_path)
     k, _ = store.get(0)
     assert torch.equal(k, layers[0][0])
-    store._tiers["file"].flush()
+    store.flush()
     target = layer_files(store)[2]
     damage(target, how)
     with pytest.raises(KVFileError, match=match) as info:
@@ -89,7 +106,7 @@ def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path):
     # During the cached steps only read staging is needed; the write buffers would hold host RAM for nothing.
     store, layers = filled_store(mode, tmp_path, n=4)
     assert store._tiers["file"]._writes.buffers()
-    store._tiers["file"].flush()
+    store.flush()
     k, _ = store.get(0)
     assert torch.equal(k, layers[0][0])
     assert store._tiers["file"]._writes.buffers() == []
