@@ -82,6 +82,20 @@ def copy_in(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.T
     dst_v.copy_(v, non_blocking=non_blocking)
 
 
+def copy_range(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
+               non_blocking: bool = False) -> None:
+    """Copies the bytes [start, end) of the data section `flat` from `k` and `v` (`copy_in`, one range of it).
+
+    So a layer can be copied chunk by chunk, each chunk written out while the next is copied. `k` and `v` must be
+    contiguous (a strided tensor has no byte range to slice); the padding between them is left as it is.
+    """
+    for spec, t in zip(layout.specs, (k, v)):
+        lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
+        if lo < hi:
+            src = t.reshape(-1).view(torch.uint8)[lo - spec.offset:hi - spec.offset]
+            flat[lo:hi].copy_(src, non_blocking=non_blocking)
+
+
 def safetensors_header(layout: LayerLayout, metadata: Dict[str, str]) -> bytes:
     """The 8-byte length plus JSON header, padded so the data section starts on a 4 KiB boundary."""
     entries: Dict[str, object] = {"__metadata__": metadata}

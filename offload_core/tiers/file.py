@@ -32,7 +32,7 @@ import torch
 
 from ..devices import DONE, Fence
 from ..hostmem import HostBuffer
-from ..layout import LayerLayout, copy_in, safetensors_header
+from ..layout import LayerLayout, copy_in, copy_range, safetensors_header
 from .base import Pending, Tier, TierContext
 from . import fileio
 from .fileio import (CHECKSUM, KVFileError, KVWriteError, checksum_module, chunks, corrupted, digest, discard,
@@ -64,6 +64,25 @@ class _LayerFile:
     @property
     def total(self) -> int:
         return len(self.header) + self.layout.data_bytes
+
+
+@dataclass
+class _Write:
+    """One layer file being written. Whoever claims it first cleans it up: its finish, or, if that never
+    started, the interrupt or cancellation that stopped it (never both: a descriptor closed twice may be
+    another file's by then)."""
+    tmp: str
+    item: Optional[list] = None  # [write staging buffer, fence of the last copy into it]
+    fd: int = -1
+    chunks: List[cf.Future] = field(default_factory=list)
+    lane: List[cf.Future] = field(default_factory=list)  # file_async: the finish, queued on the write lane
+    _claimed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def claim(self) -> bool:
+        with self._lock:
+            first, self._claimed = not self._claimed, True
+        return first
 
 
 def _header(key: Hashable, layout: LayerLayout, digests: List[int]) -> bytes:
@@ -115,67 +134,81 @@ class FileTier(Tier):
         pieces = chunks(0, layout.data_bytes)
         entry = _LayerFile(os.path.join(self.directory, f"layer-{len(self._files):05d}.safetensors"),
                            _header(key, layout, [0] * len(pieces)), layout)
-        tmp = f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp"
-        item = self._writes.acquire(entry.total)
-        self._count(+1)
+        job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            fd = reserve(tmp, entry.total, self.cache_mode)  # a full disk fails here, before anything is queued
+            self._count(+1)
+            job.item = self._writes.acquire(entry.total)
+            job.fd = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
+            self._queue_writes(job, entry, k, v, pieces)
+            if "write" in self._lanes:
+                lane = self._lanes["write"].submit(functools.partial(self._finish_write, key, entry, job),
+                                                   f"the write of {entry.path}", into=job.lane)
+                lane.add_done_callback(functools.partial(self._cancelled_write, job))
+            else:
+                self._finish_write(key, entry, job)
         except BaseException:
-            self._writes.release(item)
-            self._count(-1)
+            # Failed or interrupted before its finish took over: the chunk writes are waited for (or cancelled),
+            # then the descriptor, the temp file and the buffer go. A finish that already runs cleans up itself.
+            if not job.lane or job.lane[0].cancel():
+                self._drop_write(job)
             raise
-        try:
-            with self._ctx.streams.timed("transfer"):
-                # On the consumer's stream: ordered after the producer and before anything that changes k/v.
-                copy_in(item[0].tensor[len(entry.header):entry.total], layout, k, v, non_blocking=item[0].pinned)
-            copied = self._ctx.streams.record()
-        except BaseException:
-            os.close(fd)
-            discard(tmp)
-            self._writes.release(item)
-            self._count(-1)
-            raise
-        item[1] = copied  # if the write is cancelled, closing the pool still waits for this copy
-        base, mem = len(entry.header), item[0].memory()
+        entry.write = job.lane[0] if job.lane else None
+        self._files[key] = entry
 
-        def write_chunk(off: int, n: int) -> int:
+    def _queue_writes(self, job: "_Write", entry: _LayerFile, k: torch.Tensor, v: torch.Tensor, pieces) -> None:
+        """Copies the layer into the write staging and queues a hash-and-write request per chunk.
+
+        Chunk by chunk where `k` and `v` are contiguous: each chunk's write is queued as soon as it is copied, so
+        the copy of a layer overlaps its writes instead of coming before them. The copies run on the consumer's
+        stream: ordered after the producer and before anything that changes `k`/`v`.
+        """
+        streams, buffer = self._ctx.streams, job.item[0]
+        base, mem = len(entry.header), buffer.memory()
+        data = buffer.tensor[base:entry.total]
+        pinned = buffer.pinned
+
+        def write_chunk(off: int, n: int, copied: Fence) -> int:
             copied.synchronize()
             view = mem[base + off:base + off + n]
             value = digest(view)
-            pwrite_all(fd, view, base + off, tmp)
+            pwrite_all(job.fd, view, base + off, job.tmp)
             return value
 
-        what = f"the write of {entry.path}"
-        futures = [self._chunks.submit(functools.partial(write_chunk, off, n), what) for off, n in pieces]
-        finish = functools.partial(self._finish_write, key, entry, item, fd, tmp, futures)
-        if "write" in self._lanes:
-            entry.write = self._lanes["write"].submit(finish, what)
-            entry.write.add_done_callback(functools.partial(self._cancelled_write, fd, tmp, item, futures))
-        else:
-            finish()
-        self._files[key] = entry
+        by_chunk = k.is_contiguous() and v.is_contiguous()
+        if not by_chunk:
+            with streams.timed("transfer"):
+                copy_in(data, entry.layout, k, v, non_blocking=pinned)
+            job.item[1] = streams.record()
+        for off, n in pieces:
+            if by_chunk:
+                with streams.timed("transfer"):
+                    copy_range(data, entry.layout, k, v, off, off + n, non_blocking=pinned)
+                job.item[1] = streams.record()  # the last copy: the staging pool waits for it before reuse
+            self._chunks.submit(functools.partial(write_chunk, off, n, job.item[1]), f"the write of {entry.path}",
+                                into=job.chunks)
 
-    def _cancelled_write(self, fd: int, tmp: str, item: list, futures: list, future: cf.Future) -> None:
-        if future.cancelled():  # by close(): `finish` never ran, so its cleanup happens here
-            self._count(-1)
-            when_done(futures, functools.partial(self._drop_write, fd, tmp, item))
+    def _cancelled_write(self, job: "_Write", future: cf.Future) -> None:
+        if future.cancelled():  # by close(): the finish never ran, so its cleanup happens here
+            self._drop_write(job)
 
     def _count(self, change: int) -> None:
         with self._count_lock:
             self._writing += change
 
-    def _finish_write(self, key, entry: _LayerFile, item: list, fd: int, tmp: str, futures: list) -> None:
-        fd_open = True
+    def _finish_write(self, key, entry: _LayerFile, job: "_Write") -> None:
+        if not job.claim():
+            return  # an interrupt in `store` got there first and cleans up
+        item, fd_open = job.item, True
         try:
-            digests = wait_all(futures, f"the write of {entry.path}")
+            digests = wait_all(job.chunks, f"the write of {entry.path}")
             header = _header(key, entry.layout, digests)
             assert len(header) == len(entry.header), "digests are fixed-width: the header keeps its size"
             mem = item[0].memory()
             mem[:len(header)] = header
-            pwrite_all(fd, mem[:len(header)], 0, tmp)
+            pwrite_all(job.fd, mem[:len(header)], 0, job.tmp)
             entry.header, entry.digests = header, digests
-            fd_open = False
-            finish_write(fd, tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames (or discards)
+            fd_open, fd, job.fd = False, job.fd, -1
+            finish_write(fd, job.tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames or discards
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
@@ -184,23 +217,31 @@ class FileTier(Tier):
                 self._writes.quarantine(item)
                 self._stuck.append(f"the write of {entry.path}")
             elif fd_open:
-                when_done(futures, functools.partial(self._drop_write, fd, tmp, item))
+                when_done(job.chunks, functools.partial(self._release_write, job))
             else:
-                self._writes.release(item)
+                self._writes.release(item, item[1])
             item = None
             if isinstance(exc, KVWriteError) and self._failed is None:
                 self._failed = exc
             raise
         finally:
             if item is not None:
-                self._writes.release(item)
+                self._writes.release(item, item[1])
             self._count(-1)  # last: a load that sees 0 may free this buffer
 
-    def _drop_write(self, fd: int, tmp: str, item: list) -> None:
-        """Cleanup of a write that failed or was cancelled, once none of its requests is running."""
-        os.close(fd)
-        discard(tmp)
-        self._writes.release(item)
+    def _drop_write(self, job: "_Write") -> None:
+        """Cleanup of a write whose finish never ran: once none of its chunk requests runs any more."""
+        if job.claim():
+            self._count(-1)
+            when_done(job.chunks, functools.partial(self._release_write, job))
+
+    def _release_write(self, job: "_Write") -> None:
+        if job.fd >= 0:
+            os.close(job.fd)
+            job.fd = -1
+            discard(job.tmp)
+        if job.item is not None:
+            self._writes.release(job.item, job.item[1])  # keeps the copy's fence: the next user waits for it
 
     # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -312,11 +353,12 @@ class FileTier(Tier):
         jobs = [(0, base, None)] + [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes),
                                                                            entry.digests)]
         what = f"the read of {entry.path}"
+        futures: List[cf.Future] = []
         try:
-            futures = [self._chunks.submit(functools.partial(read_chunk, *job), what) for job in jobs]
-        except BaseException:
-            os.close(fd)
-            self._reads.release(item)
+            for job in jobs:
+                self._chunks.submit(functools.partial(read_chunk, *job), what, into=futures)
+        except BaseException:  # the requests already queued may run: fd and buffer go once they have stopped
+            when_done(futures, functools.partial(self._drop_read, fd, item))
             raise
         return item, fd, futures
 

@@ -50,12 +50,18 @@ class IOPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, what: str) -> Future:
-        """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports."""
+    def submit(self, fn: Callable, what: str, into: Optional[List[Future]] = None) -> Future:
+        """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports.
+
+        With `into`, the future is appended to it before the job is queued: an interrupt anywhere in a loop of
+        submits leaves every queued job in the list, for the caller's cleanup to wait for (or cancel).
+        """
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"KV offload: I/O pool {self.name} is shut down; cannot run {what}.")
+            if into is not None:
+                into.append(future)
             self._jobs.put((future, fn, what))
         return future
 

@@ -84,6 +84,39 @@ def test_learned_non_monotonic_order(mode, tmp_path):
     assert stats["transfers"]["count"] - loads_before == 2 * streamed(stats)
 
 
+ODD_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.bool,
+              *([torch.float8_e4m3fn] if hasattr(torch, "float8_e4m3fn") else [])]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("dtype", ODD_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("mode", TIERS)
+def test_any_dtype_and_strided_views_round_trip_across_chunk_boundaries(mode, dtype, layout, tmp_path, monkeypatch):
+    # The file tiers copy a layer chunk by chunk (a chunk may end inside K, span K's end and the padding, or
+    # start V); 4 KiB chunks put such boundaries in every layer. Strided K/V take the whole-layer copy.
+    from offload_core.tiers import fileio
+
+    monkeypatch.setattr(fileio, "CHUNK", 4096)
+    gen = torch.Generator().manual_seed(4)
+    layers = {}
+    for key in range(4):
+        k, v = (torch.randn((1, 2, 37, 24), generator=gen) * 40 for _ in range(2))
+        k, v = (k > 0, v > 0) if dtype == torch.bool else (k.to(dtype), v.to(dtype))
+        if layout == "strided":
+            k, v = k.transpose(-1, -2), v[..., ::2]
+            assert not k.is_contiguous() and not v.is_contiguous()
+        layers[key] = (k, v)
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        for _ in range(2):
+            for key, (k, v) in layers.items():
+                got_k, got_v = store.get(key)
+                assert got_k.shape == k.shape and got_v.shape == v.shape
+                assert torch.equal(got_k.view(torch.uint8), k.contiguous().view(torch.uint8))
+                assert torch.equal(got_v.view(torch.uint8), v.contiguous().view(torch.uint8))
+
+
 @pytest.mark.parametrize("mode", TIERS)
 def test_source_mutated_after_put_does_not_reach_the_store(mode, tmp_path):
     layers = make_layers(range(3), torch.float32, seed=2)

@@ -168,3 +168,66 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
         store.close()
     assert len(os.listdir("/proc/self/fd")) == before
     assert os.listdir(tmp_path) == []
+
+
+def _wait_for(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+@pytest.mark.parametrize("where", ["copying a chunk", "just after queueing a chunk"])
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch):
+    # A put copies a layer chunk by chunk, queueing each chunk's write as soon as it is copied. Ctrl-C between
+    # any two of those steps: the requests already queued are waited for, then the descriptor, the temp file
+    # and the staging buffer go; the store serves its other layers exactly and takes the next put.
+    from offload_core.tiers import file as file_tier, fileio
+
+    monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)  # a staging buffer never given back fails fast
+    data = layers(3, shape=(1, 2, 2048, 128))  # 4 MiB a layer: four chunks
+    before = len(os.listdir("/proc/self/fd"))
+    for at in range(4):
+        store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+        store.put(0, *data[0])
+        tier = store._tiers["file"]
+        calls = []
+        if where == "copying a chunk":
+            real_copy = file_tier.copy_range
+
+            def copy(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == at + 1:
+                    raise KeyboardInterrupt
+                real_copy(*args, **kwargs)
+            monkeypatch.setattr(file_tier, "copy_range", copy)
+        else:
+            real_submit = tier._chunks.submit
+
+            def submit(*args, **kwargs):
+                future = real_submit(*args, **kwargs)
+                calls.append(1)
+                if len(calls) == at + 1:
+                    raise KeyboardInterrupt
+                return future
+            monkeypatch.setattr(tier._chunks, "submit", submit)
+        with pytest.raises(KeyboardInterrupt):
+            store.put(1, *data[1])
+        monkeypatch.undo()
+        monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
+        monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)
+        directory = store.stats()["file_dir"]
+        _wait_for(lambda: not [n for n in os.listdir(directory) if n.endswith(".tmp")])
+        _wait_for(lambda: tier._writes._free.qsize() == len(tier._writes._all))  # every staging buffer is back
+        store.put(2, *data[2])
+        for key in (0, 2):
+            k, v = store.get(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+        with pytest.raises(KeyError):
+            store.get(1)
+        store.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.listdir(tmp_path) == []
