@@ -39,7 +39,7 @@ from .fileio import (CHECKSUM, KVFileError, KVWriteError, checksum_module, chunk
                      drop_pages, finish_write, header_matches, open_checked, pread_exact, probe_page_cache_mode,
                      pwrite_all, ram_backed, reserve)
 from .fileowner import OwnedDir
-from .iopool import IOPool, IOStuckError, io_timeout, wait_all, when_done
+from .iopool import IOPool, IOStuckError, Then, io_timeout, wait_all, when_done
 from .staging import StagingPool
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,9 @@ FORMAT = {"format": "kv_offload.layer", "version": "2"}
 # measures it on yours (KV_OFFLOAD_IO_DEPTH overrides it).
 IO_DEPTH = int(os.environ["KV_OFFLOAD_IO_DEPTH"]) if os.environ.get("KV_OFFLOAD_IO_DEPTH", "").isdigit() else 4
 IO_DEPTH = min(max(IO_DEPTH, 1), 64)
+# Threads checksumming chunks (xxh3 runs at about 10 GiB/s a thread, releasing the GIL): two keep up with an
+# NVMe drive and never delay a request, since the I/O threads hand them each chunk and go on.
+HASH_THREADS = 2
 
 
 @dataclass
@@ -114,6 +117,7 @@ class FileTier(Tier):
                          "RAM here; point `file_dir` at a disk, or use a RAM mode")
             log.warning("KV offload: %s.", self.note)
         self._chunks = IOPool(IO_DEPTH, "kv_offload_io")
+        self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
         self._lanes = {name: IOPool(1, f"kv_offload_{name}") for name in ("write", "read_start", "read_finish")} \
             if asynchronous else {}
         self._reads = StagingPool(ctx.allocator, max(ctx.depth, 0) + 1, "read")
@@ -167,12 +171,11 @@ class FileTier(Tier):
         data = buffer.tensor[base:entry.total]
         pinned = buffer.pinned
 
-        def write_chunk(off: int, n: int, copied: Fence) -> int:
+        def write_chunk(off: int, n: int, copied: Fence) -> Then:
             copied.synchronize()
             view = mem[base + off:base + off + n]
-            value = digest(view)
             pwrite_all(job.fd, view, base + off, job.tmp)
-            return value
+            return Then(functools.partial(digest, view), self._hashes)  # the worker takes the next request first
 
         by_chunk = k.is_contiguous() and v.is_contiguous()
         if not by_chunk:
@@ -336,7 +339,7 @@ class FileTier(Tier):
         mem = item[0].memory()
         into = target.memory() if target is not None else None
 
-        def read_chunk(off: int, n: int, expected: Optional[int]) -> None:
+        def read_chunk(off: int, n: int, expected: Optional[int]) -> Optional[Then]:
             view = into[off - base:off - base + n] if into is not None and expected is not None else mem[off:off + n]
             pread_exact(fd, view, off, entry.path)
             if expected is None:
@@ -344,9 +347,13 @@ class FileTier(Tier):
                 if bad is not None:
                     raise KVFileError(f"KV layer file {entry.path!r} is corrupted: its header differs from what this "
                                       f"store wrote (first at byte {bad}). It was modified while in use.")
-            elif digest(view) != expected:
+                return None
+            return Then(functools.partial(check_chunk, view, off, n, expected), self._hashes)  # next request first
+
+        def check_chunk(view: memoryview, off: int, n: int, expected: int) -> None:
+            if digest(view) != expected:
                 raise corrupted(entry.path, off, n)
-            elif direct is not None and into is None:
+            if direct is not None and into is None:
                 with self._ctx.streams.timed("transfer"):
                     direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
@@ -425,7 +432,7 @@ class FileTier(Tier):
         """Cancels queued I/O and waits (bounded, in total) for running I/O; returns what is still running."""
         deadline = time.monotonic() + io_timeout()
         stuck: List[str] = []
-        for pool in [*self._lanes.values(), self._chunks]:  # lanes first: they wait on the chunk requests
+        for pool in [*self._lanes.values(), self._chunks, self._hashes]:  # each waits on the ones after it
             stuck += pool.shutdown(max(0.0, deadline - time.monotonic()))
         return stuck
 

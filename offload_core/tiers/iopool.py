@@ -37,6 +37,17 @@ class IOStuckError(TimeoutError):
     """An I/O job did not finish in time and may still be running: whatever buffer it uses must not be reused."""
 
 
+class Then:
+    """What a job returns to go on with `fn()` as the rest of the same job, on `pool`: the worker goes on to
+    its next request at once (a chunk's checksum after its read or write runs on other threads, so hashing
+    never keeps a request from the disk). The job's future completes with `fn()`'s result."""
+
+    __slots__ = ("fn", "pool")
+
+    def __init__(self, fn: Callable, pool: "IOPool"):
+        self.fn, self.pool = fn, pool
+
+
 class IOPool:
     """`workers` daemon threads running submitted jobs first-in-first-out (one worker: a strictly ordered lane)."""
 
@@ -62,8 +73,17 @@ class IOPool:
                 raise RuntimeError(f"KV offload: I/O pool {self.name} is shut down; cannot run {what}.")
             if into is not None:
                 into.append(future)
-            self._jobs.put((future, fn, what))
+            self._jobs.put((future, fn, what, False))
         return future
+
+    def _continue(self, future: Future, fn: Callable, what: str) -> None:
+        """Queues the rest of a job another pool started (its future is running already)."""
+        with self._lock:
+            queued = not self._closed
+            if queued:
+                self._jobs.put((future, fn, what, True))
+        if not queued:
+            future.set_exception(_shut(self.name, what))
 
     def _work(self) -> None:
         me = threading.current_thread()
@@ -71,21 +91,25 @@ class IOPool:
             item = self._jobs.get()
             if item is None:
                 return
-            future, fn, what = item
-            if not future.set_running_or_notify_cancel():
+            future, fn, what, continued = item
+            if not continued and not future.set_running_or_notify_cancel():
                 continue
             with self._lock:
                 self._running[me] = what
+            result = None
             try:
                 result = fn()
             except BaseException as exc:  # handed to whoever waits; the worker lives on
                 future.set_exception(exc)
             else:
-                future.set_result(result)
+                if isinstance(result, Then):
+                    result.pool._continue(future, result.fn, what)
+                else:
+                    future.set_result(result)
             finally:
                 with self._lock:
                     self._running.pop(me, None)
-            del item, future, fn  # drop references to buffers before blocking on the next job
+            del item, future, fn, result  # drop references to buffers before blocking on the next job
 
     def shutdown(self, timeout: float) -> List[str]:
         """Cancels queued jobs and waits up to `timeout` s for running ones; returns what is still running."""
@@ -98,8 +122,8 @@ class IOPool:
                     item = self._jobs.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
-                    item[0].cancel()
+                if item is not None and not item[0].cancel():  # the rest of a started job: it ends here
+                    item[0].set_exception(_shut(self.name, item[2]))
             for _ in self._threads:
                 self._jobs.put(None)
         deadline = _now() + timeout
@@ -107,6 +131,10 @@ class IOPool:
             thread.join(max(0.0, deadline - _now()))
         with self._lock:
             return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
+
+
+def _shut(name: str, what: str) -> RuntimeError:
+    return RuntimeError(f"KV offload: I/O pool {name} was shut down before {what} finished.")
 
 
 def _now() -> float:

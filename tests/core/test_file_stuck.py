@@ -231,3 +231,33 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
         store.close()
     assert len(os.listdir("/proc/self/fd")) == before
     assert os.listdir(tmp_path) == []
+
+
+def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool():
+    # The I/O thread hands the rest of a job (a chunk's checksum) to another pool and takes the next request;
+    # the job's future completes with the rest's result, or with an error if that pool shuts down first.
+    io, hashes = iopool.IOPool(1, "test_io"), iopool.IOPool(1, "test_hash")
+    gate = threading.Event()
+    try:
+        first = io.submit(lambda: iopool.Then(lambda: (gate.wait(5), "checked")[1], hashes), "the first read")
+        second = io.submit(lambda: "read", "the second read")
+        assert second.result(timeout=5) == "read"  # the one I/O thread was free while the checksum waited
+        assert not first.done()
+        gate.set()
+        assert first.result(timeout=5) == "checked"
+        blocker, running = threading.Event(), threading.Event()
+        hashes.submit(lambda: (running.set(), blocker.wait(5)), "a long checksum")
+        assert running.wait(5)
+        third = io.submit(lambda: iopool.Then(lambda: "never", hashes), "the third read")
+        _wait_for(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
+        hashes.shutdown(0.0)
+        with pytest.raises(RuntimeError, match="shut down before the third read finished"):
+            third.result(timeout=5)
+        blocker.set()
+        fourth = io.submit(lambda: iopool.Then(lambda: "never", hashes), "the fourth read")
+        with pytest.raises(RuntimeError, match="shut down"):
+            fourth.result(timeout=5)
+    finally:
+        gate.set()
+        io.shutdown(5)
+        hashes.shutdown(5)
