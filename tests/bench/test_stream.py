@@ -59,3 +59,24 @@ def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, 
     # >= 50 ms + 4 x 50 ms once the figure waits for the disk; the put loop alone returns after about 150 ms
     # (the third put waits for a write staging buffer, freed when the first layer is written).
     assert row["put_gib_s"] <= (16 / 1024) / 0.25
+
+
+def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept():
+    def raw(w, r):
+        return {"file": {"write_gib_s": {1: w, 4: w + 0.5}, "read_gib_s": {1: r, 4: r - 0.5}}, "ram_gib_s": w}
+
+    def tier(put, get):
+        return [{"tier": "file_async", "put_gib_s": put, "get_gib_s": get, "read_ms_per_layer": 1.0, "hidden": get / 10,
+                 "compute_ms_per_layer": 1.0, "loop_s": 1.0, "exposed_s": 0.1, "store_exposed_wait_s": 0.1,
+                 "exact": True}]
+
+    # A disk that was fast in one round only: the medians ignore the outlier, the best-of figures keep it.
+    rounds = [(raw(1.0, 2.0), tier(0.9, 1.8)), (raw(9.0, 9.0), tier(1.1, 1.9)), (raw(1.2, 2.2), tier(1.0, 2.0))]
+    limits, rows = stream._combine(rounds)
+    f = limits["file"]
+    assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
+    assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
+    assert f["max_write_gib_s"] == 9.5 and f["max_read_gib_s"] == 9.0 and len(limits["rounds"]) == 3
+    row = rows[0]
+    assert (row["put_gib_s"], row["get_gib_s"], row["best_put_gib_s"], row["best_get_gib_s"]) == (1.0, 1.9, 1.1, 2.0)
+    assert row["hidden"] == 0.19 and len(row["rounds"]) == 3
