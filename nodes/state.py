@@ -144,6 +144,11 @@ class RunState:
                 continue
             # every layer must have been seen: a capture with a layer missing would fail or be recomputed later
             if ok and len(branch.layers) == self.n_layers:
+                try:
+                    branch.store.flush()  # file_async writes in the background: its errors surface here
+                except KVWriteError as exc:
+                    self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+                    return
                 branch.complete = True
             else:
                 self._drop(u)

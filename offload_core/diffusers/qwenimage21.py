@@ -60,6 +60,14 @@ class OffloadedQwenKVCache(QwenImage21KVCache):
         self.layer_caches[0] = layer
         return layer
 
+    def write_failed(self, exc: KVWriteError) -> None:
+        """This extract forward computes every block from the full input anyway; later steps run without a
+        cache (as mode 'off'), which needs no memory that a file mode was picked to save."""
+        self.failed = True
+        if self._on_write_error is None:
+            raise exc
+        self._on_write_error(exc)
+
     @torch.compiler.disable
     def flush(self) -> None:
         """Moves the layer filled by the last extract block into the store and drops the device tensors."""
@@ -68,12 +76,7 @@ class OffloadedQwenKVCache(QwenImage21KVCache):
             try:
                 self.kv_store.put(self._filled, layer.k, layer.v)
             except KVWriteError as exc:
-                # This extract forward computes every block from the full input anyway; later steps run
-                # without a cache (as mode 'off'), which needs no memory that a file mode was picked to save.
-                self.failed = True
-                if self._on_write_error is None:
-                    raise
-                self._on_write_error(exc)
+                self.write_failed(exc)
         self._filled = None
         layer.k = layer.v = None
 
@@ -114,7 +117,12 @@ def install(session: OffloadSession, transformer) -> None:
         ours = kwargs.get("kv_cache")
         if isinstance(ours, OffloadedQwenKVCache) and ours.extracting:
             ours.flush()
-            if ours.kv_store.stats()["layers"] == ours.num_layers:
+            if not ours.failed and ours.kv_store.stats()["layers"] == ours.num_layers:
+                try:
+                    ours.kv_store.flush()  # file_async writes in the background: its I/O errors surface here
+                except KVWriteError as exc:
+                    ours.write_failed(exc)  # the later steps recompute the prefix
+                    return None
                 session.mark_complete(ours.kv_store)
         return None
 

@@ -160,10 +160,14 @@ def write_error(path: str, length: int, exc: OSError) -> KVWriteError:
         except OSError:
             free = "free space unknown"
         return KVWriteError(f"KV offload: the disk holding {directory!r} is full ({_cause(exc)}): a layer file needs "
-                            f"{length / 2**20:.1f} MiB, {free}. Free space there, point `file_dir` at a bigger "
+                            f"{_size(length)}, {free}. Free space there, point `file_dir` at a bigger "
                             "disk, or pick a RAM mode.")
     return KVWriteError(f"KV offload: could not write layer file {path!r} in {directory!r} ({_cause(exc)}); "
-                        f"{length / 2**20:.1f} MiB were to be written.")
+                        f"{_size(length)} were to be written.")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
