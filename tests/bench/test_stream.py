@@ -43,7 +43,7 @@ def test_bad_options_are_refused_with_the_rule(argv, match, capsys):
 
 def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, monkeypatch):
     """file_async queues its writes; its put figure must include them (a put loop alone only copies)."""
-    from offload_core.tiers import file as file_tier
+    from offload_core.tiers import filewrite as file_tier
 
     real = file_tier.pwrite_all
 

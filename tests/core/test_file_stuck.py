@@ -184,7 +184,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
     # A put copies a layer chunk by chunk, queueing each chunk's write as soon as it is copied. Ctrl-C between
     # any two of those steps: the requests already queued are waited for, then the descriptor, the temp file
     # and the staging buffer go; the store serves its other layers exactly and takes the next put.
-    from offload_core.tiers import file as file_tier, fileio
+    from offload_core.tiers import filewrite as file_tier, fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)  # a staging buffer never given back fails fast
@@ -221,7 +221,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
         monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)
         directory = store.stats()["file_dir"]
         _wait_for(lambda: not [n for n in os.listdir(directory) if n.endswith(".tmp")])
-        _wait_for(lambda: tier._writes._free.qsize() == len(tier._writes._all))  # every staging buffer is back
+        _wait_for(lambda: tier._writer.staging._free.qsize() == len(tier._writer.staging._all))  # every staging buffer is back
         store.put(2, *data[2])
         for key in (0, 2):
             k, v = store.get(key)

@@ -29,7 +29,7 @@ def layer_files(store):
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_flush_returns_once_every_layer_is_in_place(mode, tmp_path, monkeypatch):
-    from offload_core.tiers import file as file_tier
+    from offload_core.tiers import filewrite as file_tier
 
     real = file_tier.pwrite_all
     monkeypatch.setattr(file_tier, "pwrite_all", lambda *a: (time.sleep(0.02), real(*a)))  # a slow disk
@@ -105,11 +105,11 @@ def test_no_temp_files_left_by_writes(tmp_path):
 def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path):
     # During the cached steps only read staging is needed; the write buffers would hold host RAM for nothing.
     store, layers = filled_store(mode, tmp_path, n=4)
-    assert store._tiers["file"]._writes.buffers()
+    assert store._tiers["file"]._writer.staging.buffers()
     store.flush()
     k, _ = store.get(0)
     assert torch.equal(k, layers[0][0])
-    assert store._tiers["file"]._writes.buffers() == []
+    assert store._tiers["file"]._writer.staging.buffers() == []
     held = store.stats()["bytes"]
     staging = held["host_pageable"] + held["host_pinned"]  # pinned where copies are asynchronous (CUDA or its model)
     assert 0 < staging <= (store.depth + 1) * os.path.getsize(layer_files(store)[0])

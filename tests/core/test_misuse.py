@@ -10,7 +10,7 @@ import torch
 
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.tiers import Pending
-from offload_core.tiers import file as file_tier
+from offload_core.tiers import fileread as file_tier
 
 from test_contract import TIERS, config_for, make_layers
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import file as file_tier
+from offload_core.tiers import fileread as file_tier
 
 from test_contract import make_layers
 

@@ -1,0 +1,180 @@
+"""Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
+
+The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads into a
+read staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared
+with what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are
+page-aligned, so there the chunks are read straight into the slot, with no copy. `file_async` runs the
+per-layer steps on two lanes (one thread each, first in first out, so copies into one slot stay in order): one
+that starts reads and one that finishes them, so the next layer's chunks are queued while this one's complete.
+`file_sync` runs them inline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import functools
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from ..devices import DONE, Fence
+from ..hostmem import HostBuffer
+from .base import Pending, TierContext
+from .fileio import KVFileError, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact
+from .filewrite import LayerFile
+from .iopool import IOPool, IOStuckError, Then, io_timeout, wait_all, when_done
+from .staging import StagingPool
+
+
+class Reader:
+    """The read path of one file store: its read staging, and the last load queued into each host slot."""
+
+    def __init__(self, ctx: TierContext, cache_mode: str, chunks: IOPool, hashes: IOPool, lanes: Dict[str, IOPool],
+                 stuck: List[str], host_slots: Dict[int, HostBuffer]):
+        self._ctx, self.cache_mode = ctx, cache_mode
+        self._chunks, self._hashes, self._lanes, self._stuck = chunks, hashes, lanes, stuck
+        self._host_slots = host_slots  # page-aligned CPU slots the tier made, by address
+        self.staging = StagingPool(ctx.allocator, max(ctx.depth, 0) + 1, "read")
+        self.filling: Dict[int, cf.Future] = {}  # host slot address -> the last load queued into it
+
+    def _host_slot(self, slot: torch.Tensor) -> bool:
+        """True where the I/O threads may fill `slot` directly: host memory that no queued stream work can still
+        read (a real CPU device; not a model of CUDA ordering, where the consumer's kernels may lag)."""
+        return slot.device.type == "cpu" and self._ctx.streams.immediate
+
+    def load(self, entry: LayerFile, slot: torch.Tensor, release: Fence) -> Pending:
+        # A host slot is filled chunk by chunk by the I/O threads as the chunks arrive, instead of in one copy
+        # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
+        # the side stream, ordered by fences.
+        direct = slot if self._host_slot(slot) else None
+        # Loads into one slot never overlap: a later one starts filling it only once the earlier one is done.
+        previous = self.filling.get(slot.data_ptr()) if direct is not None else None
+        if not self._lanes:
+            return Pending(self._finish_read(entry, slot, release, self._start_read(entry, direct, previous)))
+        started = self._lanes["read_start"].submit(functools.partial(self._start_read, entry, direct, previous),
+                                                   f"opening {entry.path}")
+
+        def finish() -> Fence:
+            try:
+                opened = started.result(timeout=io_timeout())
+            except cf.TimeoutError:
+                if started.done():
+                    raise  # the start's own timeout, which says what it waited for
+                started.add_done_callback(self._abandon_opened)  # if it ever opens, give its buffer back
+                raise TimeoutError(f"KV offload: opening layer file {entry.path!r} for reading did not finish within "
+                                   f"{io_timeout():g} s; the disk is not answering.") from None
+            return self._finish_read(entry, slot, release, opened)
+
+        finished = self._lanes["read_finish"].submit(finish, f"the read of {entry.path}")
+        if direct is not None:
+            self.filling[slot.data_ptr()] = finished
+        # Cancelled by close() after its start ran: the opened file and the buffer go back here.
+        finished.add_done_callback(lambda f: started.add_done_callback(self._abandon_opened) if f.cancelled() else None)
+        return Pending(future=finished)
+
+    def _start_read(self, entry: LayerFile, direct: Optional[torch.Tensor] = None,
+                    previous: Optional[cf.Future] = None):
+        """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given);
+        returns (staging item, fd, futures)."""
+        if previous is not None:
+            try:
+                previous.result(timeout=io_timeout())
+            except cf.TimeoutError:
+                if not previous.done():
+                    raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
+                                       "read into the same buffer; the disk is not answering.") from None
+            except BaseException:
+                pass  # the earlier load failed: it no longer writes into the slot
+        if entry.write is not None:
+            try:
+                entry.write.result(timeout=io_timeout())
+            except cf.TimeoutError as exc:
+                if entry.write.done():
+                    raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
+                raise TimeoutError(f"KV offload: waited {io_timeout():g} s for the write of {entry.path!r} to finish "
+                                   "before reading it back; the disk is not answering.") from None
+            except BaseException as exc:
+                raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
+        base = len(entry.header)
+        target = self._host_slots.get(direct.data_ptr()) if direct is not None else None
+        item = self.staging.acquire(base if target is not None else entry.total)  # the slot takes the data
+        try:
+            fd = open_checked(entry.path, entry.total, self.cache_mode)
+        except BaseException:
+            self.staging.release(item)
+            raise
+        mem = item[0].memory()
+        into = target.memory() if target is not None else None
+
+        def read_chunk(off: int, n: int, expected: Optional[int]) -> Optional[Then]:
+            view = into[off - base:off - base + n] if into is not None and expected is not None else mem[off:off + n]
+            pread_exact(fd, view, off, entry.path)
+            if expected is None:
+                bad = header_matches(view, entry.header)
+                if bad is not None:
+                    raise KVFileError(f"KV layer file {entry.path!r} is corrupted: its header differs from what this "
+                                      f"store wrote (first at byte {bad}). It was modified while in use.")
+                return None
+            return Then(functools.partial(check_chunk, view, off, n, expected), self._hashes)  # next request first
+
+        def check_chunk(view: memoryview, off: int, n: int, expected: int) -> None:
+            if digest(view) != expected:
+                raise corrupted(entry.path, off, n)
+            if direct is not None and into is None:
+                with self._ctx.streams.timed("transfer"):
+                    direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
+
+        jobs = [(0, base, None)] + [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes),
+                                                                           entry.digests)]
+        what = f"the read of {entry.path}"
+        futures: List[cf.Future] = []
+        try:
+            for job in jobs:
+                self._chunks.submit(functools.partial(read_chunk, *job), what, into=futures)
+        except BaseException:  # the requests already queued may run: fd and buffer go once they have stopped
+            when_done(futures, functools.partial(self._drop_read, fd, item))
+            raise
+        return item, fd, futures
+
+    def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, opened) -> Fence:
+        item, fd, futures = opened
+        fence = DONE
+        try:
+            wait_all(futures, f"the read of {entry.path}")
+            if self.cache_mode == "fadvise":
+                drop_pages(fd)
+            if self._host_slot(slot):
+                return fence  # the I/O threads filled the slot chunk by chunk
+            streams = self._ctx.streams
+            side = streams.side
+            with streams.on_side():
+                release.make_wait(side)
+                with streams.timed("transfer", side):
+                    data = item[0].tensor[len(entry.header):entry.total]
+                    streams.copy(slot[:entry.layout.data_bytes], data, non_blocking=item[0].pinned and side is not None)
+                fence = streams.record(side)
+        except IOStuckError:
+            self.staging.quarantine(item)  # a request may still be inside preadv: never reuse buffer or descriptor
+            item = None
+            self._stuck.append(f"the read of {entry.path}")
+            raise
+        finally:
+            if item is not None:  # after an interrupt, requests may still run: clean up once they stop
+                gate: cf.Future = cf.Future()
+                if self._host_slot(slot) and not self._lanes:  # (file_async orders loads by their futures)
+                    self.filling[slot.data_ptr()] = gate  # the next load into this slot waits for them
+                when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
+        return fence
+
+    def _drop_read(self, fd: int, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
+        os.close(fd)
+        self.staging.release(item, fence)
+        if gate is not None:
+            gate.set_result(None)
+
+    def _abandon_opened(self, future: cf.Future) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return
+        item, fd, futures = future.result()
+        when_done(futures, functools.partial(self._drop_read, fd, item))
