@@ -248,11 +248,18 @@ def _kind(mode: int) -> str:
     return "a device"
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
+def pread_exact(fd: int, view: memoryview, offset: int, path: str, head: Optional[memoryview] = None) -> None:
+    """Fills `view` from `offset`, or `head` then `view` in one request (a header and the first chunk)."""
+    views = [view] if head is None else [head, view]
+    total, done = sum(len(v) for v in views), 0
+    while done < total:
+        rest, skip = [], done
+        for v in views:
+            if skip < len(v):
+                rest.append(v[skip:])
+            skip = max(0, skip - len(v))
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
+            n = os.preadv(fd, rest, offset + done)
         except OSError as exc:
             raise KVFileError(f"KV layer file {path!r} could not be read at byte {offset + done} "
                               f"({_cause(exc)}).") from None

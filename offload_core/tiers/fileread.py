@@ -107,26 +107,28 @@ class Reader:
         mem = item[0].memory()
         into = target.memory() if target is not None else None
 
-        def read_chunk(off: int, n: int, expected: Optional[int]) -> Optional[Then]:
-            view = into[off - base:off - base + n] if into is not None and expected is not None else mem[off:off + n]
-            pread_exact(fd, view, off, entry.path)
-            if expected is None:
-                bad = header_matches(view, entry.header)
+        def read_chunk(off: int, n: int, expected: Optional[int]) -> Then:
+            view = into[off - base:off - base + n] if into is not None else mem[off:off + n]
+            if off == base:  # the header comes with the first chunk: one request fewer per layer
+                head = mem[:base]
+                pread_exact(fd, view, 0, entry.path, head=head)
+                bad = header_matches(head, entry.header)
                 if bad is not None:
                     raise KVFileError(f"KV layer file {entry.path!r} is corrupted: its header differs from what this "
                                       f"store wrote (first at byte {bad}). It was modified while in use.")
-                return None
+            else:
+                pread_exact(fd, view, off, entry.path)
             return Then(functools.partial(check_chunk, view, off, n, expected), self._hashes)  # next request first
 
-        def check_chunk(view: memoryview, off: int, n: int, expected: int) -> None:
-            if digest(view) != expected:
+        def check_chunk(view: memoryview, off: int, n: int, expected: Optional[int]) -> None:
+            if expected is not None and digest(view) != expected:
                 raise corrupted(entry.path, off, n)
             if direct is not None and into is None:
                 with self._ctx.streams.timed("transfer"):
                     direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
-        jobs = [(0, base, None)] + [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes),
-                                                                           entry.digests)]
+        jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes), entry.digests)]
+        jobs = jobs or [(base, 0, None)]  # an empty layer: its header is still read and compared
         what = f"the read of {entry.path}"
         futures: List[cf.Future] = []
         try:

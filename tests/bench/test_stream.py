@@ -24,6 +24,8 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
     assert all(r["exact"] for r in rows.values())
     for tier in ("file_sync", "file_async"):
         assert rows[tier]["get_vs_raw"] > 0 and rows[tier]["put_vs_raw"] > 0
+        assert rows[tier]["get_vs_paired"] > 0 and rows[tier]["put_vs_paired"] > 0
+        assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[tier]["rounds"])
     assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
     assert "get / raw read" in printed and "file_async" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
@@ -72,6 +74,8 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
 
     # A disk that was fast in one round only: the medians ignore the outlier, the best-of figures keep it.
     rounds = [(raw(1.0, 2.0), tier(0.9, 1.8)), (raw(9.0, 9.0), tier(1.1, 1.9)), (raw(1.2, 2.2), tier(1.0, 2.0))]
+    for (_, (row,)), (w, r) in zip(rounds, [(1.0, 2.0), (2.2, 1.9), (1.0, 4.0)]):
+        row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
     limits, rows = stream._combine(rounds)
     f = limits["file"]
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
@@ -80,3 +84,4 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     row = rows[0]
     assert (row["put_gib_s"], row["get_gib_s"], row["best_put_gib_s"], row["best_get_gib_s"]) == (1.0, 1.9, 1.1, 2.0)
     assert row["hidden"] == 0.19 and len(row["rounds"]) == 3
+    assert row["put_vs_paired"] == 0.9 and row["get_vs_paired"] == 0.9

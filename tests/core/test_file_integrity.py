@@ -172,3 +172,23 @@ def test_every_layer_is_verified_on_every_read(mode, tmp_path):
             store.get(key)
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_an_empty_layer_still_has_its_header_checked(mode, tmp_path):
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    store.put(0, torch.empty(0), torch.empty(0, 3))
+    store.put(1, torch.ones(3), torch.ones(3))
+    store.flush()
+    k, v = store.get(0)
+    assert k.shape == (0,) and v.shape == (0, 3)
+    path = os.path.join(store.stats()["file_dir"], "layer-00000.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(20)
+        byte = f.read(1)
+        f.seek(20)
+        f.write(bytes([byte[0] ^ 0x01]))
+    store.get(1)  # layer 0 leaves the slot: the next get reads its file again (file_async: prefetches it now)
+    with pytest.raises(KVFileError, match="header differs"):
+        store.get(0)
+    store.close()
