@@ -62,6 +62,6 @@ if [ "$with_diffusers" = 1 ]; then
             --steps "$steps" --runs "$runs" --json "$out/bench-$pipeline.json" "$@"
     done
 fi
-step stream "${STREAM_TIMEOUT:-120}" "$py" -m offload_core stream --device cuda
+step stream "${STREAM_TIMEOUT:-120}" "$py" -m offload_core stream --device cuda --rounds 2
 echo
 "$py" scripts/gpu_summary.py "$out"
