@@ -12,6 +12,7 @@ hanging.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from .fileio import checksum_module, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
 from .filewrite import LayerFile, Writer
-from .iopool import IOPool, io_timeout, wait_all
+from .iopool import IOPool, io_timeout
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +107,25 @@ class FileTier(Tier):
         return self._reader.load(entry, slot, release)
 
     def flush(self) -> None:
-        """Waits (bounded) until every layer stored so far is on disk; raises the first write error."""
-        wait_all([e.write for e in self._files.values() if e.write is not None], f"the writes in {self.directory}")
+        """Waits until every layer stored so far is on disk, then raises the first write error, if any.
+
+        Cancels nothing (a failed layer leaves the others' writes to finish); each wait is bounded by one layer
+        operation, since the write lane finishes layers in order."""
+        first: Optional[BaseException] = None
+        for entry in list(self._files.values()):  # a snapshot: puts may go on meanwhile
+            if entry.write is None:
+                continue
+            try:
+                entry.write.result(timeout=io_timeout())
+            except cf.TimeoutError:
+                if not entry.write.done():
+                    raise TimeoutError(f"KV offload: the write of {entry.path!r} did not finish within "
+                                       f"{io_timeout():g} s; the disk is not answering.") from None
+                first = first or entry.write.exception()
+            except Exception as exc:  # the write's own error, or its cancellation by close() (Ctrl-C goes through)
+                first = first or exc
+        if first is not None:
+            raise first
 
     # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:

@@ -3,6 +3,8 @@
 import errno
 import logging
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -95,3 +97,36 @@ def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monke
     assert store.stats()["bytes"]["file"] == os.path.getsize(os.path.join(directory, "layer-00000.safetensors"))
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_flush_reports_a_failed_write_and_lets_the_others_finish(tmp_path, monkeypatch):
+    real, accepted = os.pwrite, threading.Event()
+
+    def failing(fd, data, offset):
+        if os.readlink(f"/proc/self/fd/{fd}").count("layer-00000"):
+            accepted.wait(5)  # fails once layer 1 is put (a put after a failure is refused)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, data, offset)
+
+    store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
+    monkeypatch.setattr(os, "pwrite", failing)
+    store.put(0, *layer(0))
+    tier = store._tiers["file"]
+    # Hold the write lane until layer 1's finish is cancelled (or 2 s pass): at flush time it is still queued
+    # behind the failed layer 0, where a flush that cancels on the first error would drop it.
+    tier._lanes["write"].submit(lambda: wait_until(lambda: tier._files[1].write.cancelled(), 2.0), "a held lane")
+    store.put(1, *layer(1))
+    accepted.set()
+    with pytest.raises(KVWriteError, match=r"layer-00000.*EIO"):
+        store.flush()
+    monkeypatch.undo()
+    k, v = store.get(1)  # its write finished
+    assert torch.equal(k, layer(1)[0]) and torch.equal(v, layer(1)[1])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def wait_until(condition, seconds):
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
