@@ -50,7 +50,9 @@ def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
                            else None, **fields)
     layers = make_layers()
     depth = config.depth
-    staging = (depth + 1) * (LAYER + 2 * 4096)  # the file place's staging buffers: header + data each
+    # The file place's staging: read buffers (header + data each), and until the writes in flight at the first
+    # get have finished (the next load frees them), the write buffers too (1, or 2 with background writes).
+    staging = (depth + 1) * (LAYER + 2 * 4096) + (2 if depth else 1) * (LAYER + 4096)
     peaks = {"host": 0}
 
     def check(store):
