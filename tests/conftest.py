@@ -61,3 +61,27 @@ def mount_tmpfs(tmp_path):
     yield mount
     for where in reversed(mounted):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
+def failing_writes(monkeypatch):
+    """`failing_writes(name, before=None)`: from then on `os.pwrite` into a file whose path contains `name`
+    raises EIO — a failing disk, with the space allocated but the write refused — after calling `before()` if
+    given. Returns `heal()`, which puts the real `os.pwrite` back. Reads the path from /proc/self/fd (Linux)."""
+    import errno
+    import os
+
+    real = os.pwrite
+
+    def arm(name: str, before=None):
+        def pwrite(fd, data, offset):
+            if name in os.readlink(f"/proc/self/fd/{fd}"):
+                if before is not None:
+                    before()
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        return lambda: monkeypatch.setattr(os, "pwrite", real)
+
+    return arm

@@ -195,8 +195,9 @@ def run(args) -> Dict[str, object]:
             "limits": limits, "rows": rows}
 
 
-def _median(values: List[float]) -> float:
-    return statistics.median(values)
+def _median_round(runs: List[dict], key: str) -> dict:
+    """The round whose `key` is the median (the lower one of an even count)."""
+    return sorted(runs, key=lambda x: x[key])[(len(runs) - 1) // 2]
 
 
 def _combine(rounds):
@@ -208,33 +209,31 @@ def _combine(rounds):
     limits = dict(rounds[0][0])
     best_file = dict(files[0])
     for kind in ("write", "read"):
-        per_depth = {d: _median([f[f"{kind}_gib_s"][d] for f in files]) for d in files[0][f"{kind}_gib_s"]}
+        per_depth = {d: statistics.median([f[f"{kind}_gib_s"][d] for f in files]) for d in files[0][f"{kind}_gib_s"]}
         best_file[f"{kind}_gib_s"] = per_depth
         best_file[f"best_{kind}_depth"] = max(per_depth, key=per_depth.get)
         best_file[f"best_{kind}_gib_s"] = max(per_depth.values())
         best_file[f"max_{kind}_gib_s"] = max(max(f[f"{kind}_gib_s"].values()) for f in files)  # any depth, any round
     limits["file"] = best_file
-    limits["ram_gib_s"] = _median([r[0]["ram_gib_s"] for r in rounds])
+    limits["ram_gib_s"] = statistics.median([r[0]["ram_gib_s"] for r in rounds])
     if "cuda" in limits:
-        limits["cuda"] = {key: _median([r[0]["cuda"][key] for r in rounds]) for key in limits["cuda"]}
+        limits["cuda"] = {key: statistics.median([r[0]["cuda"][key] for r in rounds]) for key in limits["cuda"]}
     limits["rounds"] = [r[0] for r in rounds]
     rows = []
     for index in range(len(rounds[0][1])):
         runs = [r[1][index] for r in rounds]
-        by_get = sorted(runs, key=lambda x: x["get_gib_s"])
-        row = dict(by_get[(len(by_get) - 1) // 2])  # the median round's figures (the lower one of an even count)
-        row["put_gib_s"] = _median([x["put_gib_s"] for x in runs])
-        row["get_gib_s"] = _median([x["get_gib_s"] for x in runs])
+        row = dict(_median_round(runs, "get_gib_s"))
+        row["put_gib_s"] = statistics.median([x["put_gib_s"] for x in runs])
+        row["get_gib_s"] = statistics.median([x["get_gib_s"] for x in runs])
         row["best_put_gib_s"] = max(x["put_gib_s"] for x in runs)
         row["best_get_gib_s"] = max(x["get_gib_s"] for x in runs)
         if "exposed_s" in row:
-            by_hidden = sorted(runs, key=lambda x: x["hidden"])
-            median = by_hidden[(len(by_hidden) - 1) // 2]
+            median = _median_round(runs, "hidden")
             for key in ("compute_ms_per_layer", "loop_s", "exposed_s", "store_exposed_wait_s", "hidden"):
                 row[key] = median[key]
         if "paired_raw_write_gib_s" in row:  # the median of the per-round ratios, each against its adjacent raw pass
-            row["put_vs_paired"] = _median([x["put_gib_s"] / x["paired_raw_write_gib_s"] for x in runs])
-            row["get_vs_paired"] = _median([x["get_gib_s"] / x["paired_raw_read_gib_s"] for x in runs])
+            row["put_vs_paired"] = statistics.median([x["put_gib_s"] / x["paired_raw_write_gib_s"] for x in runs])
+            row["get_vs_paired"] = statistics.median([x["get_gib_s"] / x["paired_raw_read_gib_s"] for x in runs])
         row["exact"] = all(x["exact"] for x in runs)
         row["rounds"] = runs
         rows.append(row)

@@ -101,7 +101,7 @@ class Writer:
             self._queue_writes(job, entry, k, v, pieces)
             if self._lane is not None:
                 lane = self._lane.submit(functools.partial(self._finish_write, key, entry, job),
-                                                   f"the write of {entry.path}", into=job.lane)
+                                         f"the write of {entry.path}", into=job.lane)
                 lane.add_done_callback(functools.partial(self._cancelled_write, job))
             else:
                 self._finish_write(key, entry, job)
@@ -115,7 +115,8 @@ class Writer:
         return entry
 
     def _queue_writes(self, job: "_Write", entry: LayerFile, k: torch.Tensor, v: torch.Tensor, pieces) -> None:
-        """Copies the layer into the write staging and queues a hash-and-write request per chunk.
+        """Copies the layer into the write staging and queues a write per chunk (its checksum follows on the
+        hash threads).
 
         Chunk by chunk where `k` and `v` are contiguous: each chunk's write is queued as soon as it is copied, so
         the copy of a layer overlaps its writes instead of coming before them. The copies run on the consumer's

@@ -1,10 +1,8 @@
 """The file tiers on real small filesystems: a RAM-backed one is called out, a full one fails clearly and cleanly."""
 
-import errno
 import logging
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -73,17 +71,10 @@ def test_a_full_disk_fails_at_put_with_the_directory_and_the_space_needed(mode, 
     assert os.listdir(where) == []
 
 
-def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monkeypatch):
+def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monkeypatch, failing_writes):
     # Stand-in for an I/O error after the space was allocated (a failing disk): pwrite of layer 1 fails.
-    real = os.pwrite
-
-    def failing(fd, data, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").count("layer-00001"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, data, offset)
-
     store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
-    monkeypatch.setattr(os, "pwrite", failing)
+    failing_writes("layer-00001")
     store.put(0, *layer(0))
     store.put(1, *layer(1))
     with pytest.raises(KVFileError, match=r"layer-00001\.safetensors.*never written.*EIO"):
@@ -99,34 +90,43 @@ def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monke
     assert os.listdir(tmp_path) == []
 
 
-def test_flush_reports_a_failed_write_and_lets_the_others_finish(tmp_path, monkeypatch):
-    real, accepted = os.pwrite, threading.Event()
-
-    def failing(fd, data, offset):
-        if os.readlink(f"/proc/self/fd/{fd}").count("layer-00000"):
-            accepted.wait(5)  # fails once layer 1 is put (a put after a failure is refused)
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, data, offset)
-
+def test_flush_reports_a_failed_write_and_lets_the_others_finish(tmp_path, failing_writes):
+    accepted, waiting = threading.Event(), threading.Event()
     store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
-    monkeypatch.setattr(os, "pwrite", failing)
+    heal = failing_writes("layer-00000", before=lambda: accepted.wait(5))  # fails once layer 1 is put
     store.put(0, *layer(0))
     tier = store._tiers["file"]
-    # Hold the write lane until layer 1's finish is cancelled (or 2 s pass): at flush time it is still queued
-    # behind the failed layer 0, where a flush that cancels on the first error would drop it.
-    tier._lanes["write"].submit(lambda: wait_until(lambda: tier._files[1].write.cancelled(), 2.0), "a held lane")
+    # Hold the write lane until flush waits for layer 1: its finish is then still queued behind the failed
+    # layer 0, where a flush that cancels on the first error would drop it. (Bounded: a flush that never
+    # asks for layer 1 lets the lane go after 5 s and fails the test below.)
+    tier._lanes["write"].submit(lambda: waiting.wait(5), "a held lane")
     store.put(1, *layer(1))
+    second = tier._files[1].write
+    result = second.result
+    second.result = lambda timeout=None: (waiting.set(), result(timeout))[1]
     accepted.set()
     with pytest.raises(KVWriteError, match=r"layer-00000.*EIO"):
         store.flush()
-    monkeypatch.undo()
+    heal()
     k, v = store.get(1)  # its write finished
     assert torch.equal(k, layer(1)[0]) and torch.equal(v, layer(1)[1])
     store.close()
     assert os.listdir(tmp_path) == []
 
 
-def wait_until(condition, seconds):
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
+def test_a_failed_write_in_file_sync_is_cleaned_up_once(tmp_path, failing_writes):
+    # The put's finish fails and cleans up; the put's own error path must then leave it alone (a second
+    # release would hand one staging buffer to two writers, a second close could hit another file's descriptor).
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    store.put(0, *layer(0))
+    heal = failing_writes("layer-00001")
+    with pytest.raises(KVWriteError, match=r"layer-00001.*EIO"):
+        store.put(1, *layer(1))
+    heal()
+    writer = store._tiers["file"]._writer
+    assert writer.staging._free.qsize() == len(writer.staging._all) == 1 and writer._writing == 0
+    assert files_in(store.stats()["file_dir"]) == ["layer-00000.safetensors"]  # no temp file left
+    k, v = store.get(0)
+    assert torch.equal(k, layer(0)[0]) and torch.equal(v, layer(0)[1])
+    store.close()
+    assert os.listdir(tmp_path) == []

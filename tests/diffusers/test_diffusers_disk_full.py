@@ -66,25 +66,15 @@ def test_flux2_full_disk_keeps_the_cache_on_the_device(flux_pipe, images, mode, 
 
 
 def test_qwen21_io_error_writing_the_last_layer_in_the_background_recomputes(qwen_pipe, images, tmp_path, caplog,
-                                                                            monkeypatch):
+                                                                            failing_writes):
     # file_async writes in the background, so an I/O error on the last layer surfaces after its put; the store
     # is flushed when the extract forward ends, and the later steps recompute the prefix instead of failing.
-    import errno
-
     reference = models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
-    last = f"layer-{len(qwen_pipe.transformer.transformer_blocks) - 1:05d}"
-    real = os.pwrite
-
-    def failing(fd, data, offset):
-        if last in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, data, offset)
-
     session = enable_kv_offload(qwen_pipe, "file_async", file_dir=str(tmp_path))
-    monkeypatch.setattr(os, "pwrite", failing)
+    heal = failing_writes(f"layer-{len(qwen_pipe.transformer.transformer_blocks) - 1:05d}")
     with caplog.at_level("WARNING", logger="offload_core.diffusers.session"):
         out = models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
-    monkeypatch.undo()
+    heal()
     fallbacks = [s["fallback"] for s in session.last_stats if s["fallback"]]
     assert fallbacks and all("EIO" in f and "recomputing the prefix" in f for f in fallbacks)
     assert np.abs(np.asarray(out, dtype=np.float32) - np.asarray(reference, dtype=np.float32)).max() < 2e-2

@@ -120,27 +120,16 @@ def test_a_full_disk_during_capture_falls_back_to_recompute(mode, cfg, mount_tmp
 
 @pytest.mark.parametrize("cfg", [None, 3.0])
 def test_an_io_error_writing_the_last_layer_in_the_background_falls_back_to_recompute(cfg, tmp_path, caplog,
-                                                                                      monkeypatch):
+                                                                                      failing_writes):
     # file_async writes in the background: an I/O error (a failing disk, not a full one, which `put` sees at
     # once) surfaces only after the last put. The capture is checked when its forward ends, so the run falls
     # back there instead of failing on a cached step.
-    import errno
-    import os
-
-    real = os.pwrite
-    last = "layer-00003"  # TinyDiT: 2 double + 2 single blocks, one layer file each per cond
-
-    def failing(fd, data, offset):
-        if last in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, data, offset)
-
     dm, patched = patched_tiny("file_async", tmp_path)
     noise, refs, txts = inputs(0, cfg=cfg is not None)
-    monkeypatch.setattr(os, "pwrite", failing)
+    heal = failing_writes("layer-00003")  # TinyDiT: 2 double + 2 single blocks, one layer file each per cond
     with caplog.at_level(logging.WARNING):
         out = sample(dm, patched.options(), noise, refs, txts, cfg=cfg)
-    monkeypatch.undo()
+    heal()
     assert torch.equal(out, run_mode("off", tmp_path, cfg=cfg))
     found = warnings_of(caplog, "the cache files could not be written")
     assert len(found) == 1 and "EIO" in found[0].getMessage() and "recomputed every step" in found[0].getMessage()
