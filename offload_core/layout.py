@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -82,18 +82,49 @@ def copy_in(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.T
     dst_v.copy_(v, non_blocking=non_blocking)
 
 
-def copy_range(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
+def copy_range(dst: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, start: int, end: int,
                non_blocking: bool = False) -> None:
-    """Copies the bytes [start, end) of the data section `flat` from `k` and `v` (`copy_in`, one range of it).
+    """Copies the bytes [start, end) of the layer's data section into `dst` (a uint8 buffer, from its byte 0).
 
-    So a layer can be copied chunk by chunk, each chunk written out while the next is copied. `k` and `v` must be
-    contiguous (a strided tensor has no byte range to slice); the padding between them is left as it is.
+    `copy_in`, one range of it, so a layer can go out chunk by chunk through a small buffer. Any layout of `k`
+    and `v` works: a strided tensor is copied as the few strided views that cover the range (at most two per
+    dimension), a contiguous one as one. The padding in the range is zeroed, so the bytes are the same for the
+    same K and V whatever the buffer held before.
     """
+    at = start
     for spec, t in zip(layout.specs, (k, v)):
         lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
         if lo < hi:
-            src = t.reshape(-1).view(torch.uint8)[lo - spec.offset:hi - spec.offset]
-            flat[lo:hi].copy_(src, non_blocking=non_blocking)
+            if lo > at:
+                dst[at - start:lo - start].zero_()
+            size = t.element_size()
+            pos = lo - start
+            for run in _runs(t, (lo - spec.offset) // size, (hi - spec.offset) // size):
+                n = run.numel() * size
+                dst[pos:pos + n].view(t.dtype).view(run.shape).copy_(run, non_blocking=non_blocking)
+                pos += n
+            at = hi
+    if end > at:
+        dst[at - start:end - start].zero_()
+
+
+def _runs(t: torch.Tensor, a: int, b: int) -> List[torch.Tensor]:
+    """Views of `t` that hold its elements [a, b) (in row-major order), in that order."""
+    if a >= b:
+        return []
+    if t.dim() <= 1 or t.is_contiguous():
+        return [t.reshape(-1)[a:b]]  # a view: contiguous, or one dimension
+    inner = t[0].numel()
+    first, last = -(-a // inner), b // inner  # the whole rows in [a, b)
+    if first > last:  # [a, b) lies inside one row
+        row = a // inner
+        return _runs(t[row], a - row * inner, b - row * inner)
+    out = _runs(t[first - 1], a - (first - 1) * inner, inner) if a < first * inner else []
+    if last > first:
+        out.append(t[first:last])
+    if b > last * inner:
+        out += _runs(t[last], 0, b - last * inner)
+    return out
 
 
 def safetensors_header(layout: LayerLayout, metadata: Dict[str, str]) -> bytes:

@@ -61,16 +61,25 @@ class IOPool:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, fn: Callable, what: str, into: Optional[List[Future]] = None) -> Future:
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
+
+    def submit(self, fn: Callable, what: str, into: Optional[List[Future]] = None,
+               done: Optional[Callable[[Future], object]] = None) -> Future:
         """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports.
 
         With `into`, the future is appended to it before the job is queued: an interrupt anywhere in a loop of
-        submits leaves every queued job in the list, for the caller's cleanup to wait for (or cancel).
+        submits leaves every queued job in the list, for the caller's cleanup to wait for (or cancel). `done` is
+        attached to the future before it is queued, too: it runs once the job has finished, failed or been
+        cancelled (never while it runs), which makes it the one owner of whatever the job uses from then on.
         """
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"KV offload: I/O pool {self.name} is shut down; cannot run {what}.")
+            if done is not None:
+                future.add_done_callback(done)
             if into is not None:
                 into.append(future)
             self._jobs.put((future, fn, what, False))

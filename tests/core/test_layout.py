@@ -1,0 +1,44 @@
+"""`layout.copy_range`: any range of a layer's data section, from K/V of any layout, into a small buffer."""
+
+import pytest
+import torch
+
+from offload_core.layout import _runs, copy_in, copy_range, layout_for
+
+SHAPES = [
+    ("contiguous", lambda t: t),
+    ("transposed", lambda t: t.transpose(1, 3)),
+    ("every other", lambda t: t[:, :, ::2]),
+    ("sliced rows", lambda t: t[:, 1:, 2:5]),
+    ("expanded", lambda t: t[:, :1].expand(-1, 3, -1, -1)),
+]
+
+
+@pytest.mark.parametrize("name,make", SHAPES, ids=[s[0] for s in SHAPES])
+def test_runs_cover_the_range_in_order_with_few_views(name, make):
+    t = make(torch.arange(2 * 3 * 7 * 5, dtype=torch.float32).reshape(2, 3, 7, 5))
+    flat = t.reshape(-1)
+    for a in range(0, t.numel() + 1, 7):
+        for b in range(a, t.numel() + 1, 11):
+            runs = _runs(t, a, b)
+            got = torch.cat([r.reshape(-1) for r in runs]) if runs else flat[:0]
+            assert torch.equal(got, flat[a:b])
+            assert len(runs) <= 2 * t.dim()
+            assert all(r.data_ptr() >= t.data_ptr() - 8 * t.numel() for r in runs)  # views, not copies
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+@pytest.mark.parametrize("chunk", [4096, 12288])
+def test_chunks_put_together_equal_the_whole_layer_and_zero_the_padding(dtype, chunk):
+    k = (torch.randn(3, 5, 700) * 50).to(dtype).transpose(1, 2)
+    v = (torch.randn(2, 333) * 50).to(dtype)[:, ::3]
+    layout = layout_for(k, v)
+    whole = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+    copy_in(whole, layout, k, v)
+    out = torch.empty(layout.data_bytes, dtype=torch.uint8)
+    for off in range(0, layout.data_bytes, chunk):
+        end = min(off + chunk, layout.data_bytes)
+        buffer = torch.full((chunk,), 0xAB, dtype=torch.uint8)  # stale bytes of an earlier chunk
+        copy_range(buffer, layout, k, v, off, end)
+        out[off:end] = buffer[:end - off]
+    assert torch.equal(out, whole)  # padding included: zeros, whatever the buffer held
