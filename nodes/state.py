@@ -145,7 +145,7 @@ class RunState:
             # every layer must have been seen: a capture with a layer missing would fail or be recomputed later
             if ok and len(branch.layers) == self.n_layers:
                 try:
-                    branch.store.flush()  # file_async writes in the background: its errors surface here
+                    branch.store.flush()  # the file modes write in the background: their errors surface here
                 except KVWriteError as exc:
                     self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
                     return

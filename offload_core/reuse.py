@@ -33,6 +33,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import psutil
 import torch
 
+from .tiers import KVFileError
+
 log = logging.getLogger(__name__)
 
 PLACES = ("device", "host", "file")
@@ -252,7 +254,14 @@ class PrefixRegistry:
 
         The store must be complete (every layer put) and no longer written to; it is sealed and parked here.
         """
-        self._park(store)
+        try:
+            self._park(store)  # also waits for its file writes: a failed one is no cache to keep
+        except (KVFileError, TimeoutError) as exc:  # a failed or stuck write
+            self.note_rejection(f"its layer files could not be written ({exc})")
+            log.warning("KV offload reuse%s: not kept: its layer files could not be written (%s)",
+                        f" [{self.name}]" if self.name else "", exc)
+            store.close()
+            return False
         places = store_places(store.stats())
         with self._lock:
             reason = self._why_not(key, store, places)

@@ -415,18 +415,22 @@ class KVStore:
 
         Outstanding loads finish first and the consumer's stream is synchronized, so no kernel still reads a
         slot when it is dropped. Afterwards `put` is refused and `get` works as before (slots are made again on
-        demand), from whichever thread the next request runs on. Idempotent; a no-op on a closed store.
+        demand), from whichever thread the next request runs on. Idempotent; a no-op on a closed store. The
+        first park waits for the file writes and raises a failed one (`KVWriteError`), leaving the store as it
+        was.
         """
         with self._busy:
             if self.closed or self._streams is None:
                 return
+            files = self._tiers.get(FILE)
+            if files is not None and not self.sealed:
+                files.flush()  # the layers are whole on disk (and counted) and the write staging is freed
             self.sealed = True
             self._release_current()
             self._served = None
             for slot in self._slots:
                 slot.pending.settle()
             self._streams.drain()
-            files = self._tiers.get(FILE)
             for slot in self._slots if files is not None else ():
                 for buffer in (slot.buffer, slot.coded):  # host slots the file tier made go back to the OS
                     if buffer is not None:

@@ -85,3 +85,19 @@ def failing_writes(monkeypatch):
         return lambda: monkeypatch.setattr(os, "pwrite", real)
 
     return arm
+
+
+@pytest.fixture
+def wait_until():
+    """`wait_until(condition, seconds=10)`: polls `condition()` until it holds; fails the test if it does not in
+    time. For state another thread finishes (a done-callback giving a buffer back runs just after the waiter
+    wakes), never as a fixed wait."""
+    import time
+
+    def wait(condition, seconds: float = 10.0) -> None:
+        deadline = time.monotonic() + seconds
+        while not condition():
+            assert time.monotonic() < deadline, "condition not reached in time"
+            time.sleep(0.01)
+
+    return wait

@@ -119,7 +119,7 @@ def install(session: OffloadSession, transformer) -> None:
             ours.flush()
             if not ours.failed and ours.kv_store.stats()["layers"] == ours.num_layers:
                 try:
-                    ours.kv_store.flush()  # file_async writes in the background: its I/O errors surface here
+                    ours.kv_store.flush()  # the file modes write in the background: their I/O errors surface here
                 except KVWriteError as exc:
                     ours.write_failed(exc)  # the later steps recompute the prefix
                     return None

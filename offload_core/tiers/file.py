@@ -2,13 +2,14 @@
 
 The tier owns the directory (locked while it lives, deleted at close), the thread pools and the layer
 entries; `filewrite.Writer` and `fileread.Reader` move the bytes. `IO_DEPTH` I/O threads do every chunk's
-`pwrite` / `preadv`, `HASH_THREADS` checksum the chunks beside them, and `file_async` adds three lanes (one
-thread each, first in first out, so a layer's read follows its write and copies into a slot stay in order): one
-that finishes writes, one that starts reads and one that finishes them, so the disk never idles between layers.
+`pwrite` / `preadv` and `HASH_THREADS` checksum the chunks beside them. Both tiers write the same way, in the
+background: a write lane (one thread, first in first out) finishes each layer file once its chunks are on
+disk, while the next layer's chunks already queue. They differ in reading: `file_sync` reads a layer when it
+is asked for, `file_async` adds two read lanes (one that starts reads and one that finishes them, so a layer's
+read follows its write, copies into a slot stay in order, and the disk never idles between layers).
 Reads and writes have separate staging pools, so a `put` never waits for a buffer that a read holds (and the
 other way round); every wait is bounded, and `close()` walks away from I/O stuck in the kernel instead of
-hanging.
-"""
+hanging."""
 
 from __future__ import annotations
 
@@ -66,13 +67,13 @@ class FileTier(Tier):
             log.warning("KV offload: %s.", self.note)
         self._chunks = IOPool(IO_DEPTH, "kv_offload_io")
         self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
-        self._lanes = {name: IOPool(1, f"kv_offload_{name}") for name in ("write", "read_start", "read_finish")} \
-            if asynchronous else {}
+        lanes = ("write", "read_start", "read_finish") if asynchronous else ("write",)
+        self._lanes = {name: IOPool(1, f"kv_offload_{name}") for name in lanes}
         self._files: Dict[Hashable, LayerFile] = {}
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
         self._writer = Writer(ctx, self.directory, self.cache_mode, self._chunks, self._hashes,
-                              self._lanes.get("write"), self._stuck)
+                              self._lanes["write"], self._stuck)
         reads = {name: lane for name, lane in self._lanes.items() if name.startswith("read")}
         self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
 
@@ -107,7 +108,8 @@ class FileTier(Tier):
         return self._reader.load(entry, slot, release)
 
     def flush(self) -> None:
-        """Waits until every layer stored so far is on disk, then raises the first write error, if any.
+        """Waits until every layer stored so far is on disk, then raises the first write error, if any, or frees
+        the write staging.
 
         Cancels nothing (a failed layer leaves the others' writes to finish); each wait is bounded by one layer
         operation, since the write lane finishes layers in order."""
@@ -126,6 +128,7 @@ class FileTier(Tier):
                 first = first or exc
         if first is not None:
             raise first
+        self._writer.trim_if_idle()  # every write is done: its staging would only hold host RAM until the next put
 
     # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:

@@ -1,10 +1,12 @@
 """Writing layer files for the file tiers: chunked, checksummed, atomic, and safe to interrupt anywhere.
 
-A layer is copied chunk by chunk (on the consumer's stream) into a write staging buffer, each chunk's write
-queued to the I/O threads as soon as it is copied, so the copy overlaps the writes; its checksum is computed
-beside the I/O by the hash threads. The file is created under a temp name with its whole size allocated first
-(a full disk fails right there, in `put`), the header with the chunk digests goes last, and a rename makes it
-whole. `file_sync` finishes each layer inline; `file_async` on its write lane (one thread, first in first out).
+A layer goes out chunk by chunk through a small ring of chunk-sized staging buffers: each chunk is copied (on
+the consumer's stream) into a free buffer and its write queued to the I/O threads at once; the hash threads
+checksum it beside the I/O, and the buffer is free again when both are done. So the copy of a layer overlaps
+its writes, the next layer's chunks queue behind this one's without the disk going idle, and the staging a
+write holds is a few chunks whatever the layer size. The file is created under a temp name with its whole
+size allocated first (a full disk fails right there, in `put`); once its chunks are on disk, the write lane
+(one thread, first in first out) writes the header with the chunk digests and renames the file whole.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Hashable, List, Optional
 import torch
 
 from ..devices import Fence
-from ..layout import LayerLayout, copy_in, copy_range, safetensors_header
+from ..hostmem import HostBuffer
+from ..layout import LayerLayout, copy_range, safetensors_header
 from . import fileio
 from .base import TierContext
 from .fileio import CHECKSUM, KVWriteError, chunks, digest, discard, finish_write, pwrite_all, reserve
@@ -48,12 +51,11 @@ class LayerFile:
 class _Write:
     """One layer file being written. Whoever claims it first cleans it up: its finish, or, if that never
     started, the interrupt or cancellation that stopped it (never both: a descriptor closed twice may be
-    another file's by then)."""
+    another file's by then). Each chunk's staging buffer belongs to that chunk's request, which gives it back."""
     tmp: str
-    item: Optional[list] = None  # [write staging buffer, fence of the last copy into it]
     fd: int = -1
     chunks: List[cf.Future] = field(default_factory=list)
-    lane: List[cf.Future] = field(default_factory=list)  # file_async: the finish, queued on the write lane
+    lane: List[cf.Future] = field(default_factory=list)  # the finish, queued on the write lane
     _claimed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -70,15 +72,18 @@ def layer_header(key: Hashable, layout: LayerLayout, digests: List[int]) -> byte
 
 
 class Writer:
-    """The write path of one file store: its write staging, the writes in flight, the first write error."""
+    """The write path of one file store: its ring of chunk staging buffers, the writes in flight, the first
+    write error."""
 
     def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunks: IOPool, hashes: IOPool,
-                 lane: Optional[IOPool], stuck: List[str]):
+                 lane: IOPool, stuck: List[str]):
         self._ctx, self.directory, self.cache_mode = ctx, directory, cache_mode
         self._chunks, self._hashes, self._lane, self._stuck = chunks, hashes, lane, stuck
-        self.staging = StagingPool(ctx.allocator, 1 if lane is None else 2, "write")
+        # A chunk per request in flight, one being checksummed and one being copied: the disk's queue stays
+        # full while the consumer copies the next chunk.
+        self.staging = StagingPool(ctx.allocator, chunks.workers + 2, "write")
         self.failed: Optional[BaseException] = None
-        self._writing = 0  # writes queued or running (their staging is busy); changed under _count_lock
+        self._writing = 0  # layers queued or being written; changed under _count_lock
         self._count_lock = threading.Lock()
 
     def trim_if_idle(self) -> None:
@@ -87,7 +92,11 @@ class Writer:
             self.staging.trim()
 
     def write(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout, path: str) -> LayerFile:
-        """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole)."""
+        """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole).
+
+        Returns once the last chunk is copied out of `k` and `v` (on a device: once its copy is queued on the
+        consumer's stream); a write that fails later is raised by the next `write`, by `flush` or by the read
+        of that layer."""
         if self.failed is not None:
             raise KVWriteError(f"KV offload: an earlier layer file in {self.directory!r} could not be written "
                                f"({self.failed}); this store takes no more layers.") from self.failed
@@ -96,55 +105,54 @@ class Writer:
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self._count(+1)
-            job.item = self.staging.acquire(entry.total)
             job.fd = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
-            if self._lane is not None:
-                lane = self._lane.submit(functools.partial(self._finish_write, key, entry, job),
-                                         f"the write of {entry.path}", into=job.lane)
-                lane.add_done_callback(functools.partial(self._cancelled_write, job))
-            else:
-                self._finish_write(key, entry, job)
+            finish = self._lane.submit(functools.partial(self._finish_write, key, entry, job),
+                                       f"the write of {entry.path}", into=job.lane)
+            finish.add_done_callback(functools.partial(self._cancelled_write, job))
         except BaseException:
             # Failed or interrupted before its finish took over: the chunk writes are waited for (or cancelled),
-            # then the descriptor, the temp file and the buffer go. A finish that already runs cleans up itself.
+            # then the descriptor and the temp file go. A finish that already runs cleans up itself.
             if not job.lane or job.lane[0].cancel():
                 self._drop_write(job)
             raise
-        entry.write = job.lane[0] if job.lane else None
+        entry.write = job.lane[0]
         return entry
 
     def _queue_writes(self, job: "_Write", entry: LayerFile, k: torch.Tensor, v: torch.Tensor, pieces) -> None:
-        """Copies the layer into the write staging and queues a write per chunk (its checksum follows on the
-        hash threads).
+        """Copies the layer chunk by chunk into free staging buffers and queues each chunk's write as soon as it
+        is copied (its checksum follows on the hash threads; then its buffer is free again).
 
-        Chunk by chunk where `k` and `v` are contiguous: each chunk's write is queued as soon as it is copied, so
-        the copy of a layer overlaps its writes instead of coming before them. The copies run on the consumer's
-        stream: ordered after the producer and before anything that changes `k`/`v`.
+        The copies run on the consumer's stream: ordered after the producer and before anything that changes
+        `k`/`v`. Waiting for a free buffer waits for an earlier chunk's write (bounded).
         """
-        streams, buffer = self._ctx.streams, job.item[0]
-        base, mem = len(entry.header), buffer.memory()
-        data = buffer.tensor[base:entry.total]
-        pinned = buffer.pinned
+        streams, base = self._ctx.streams, len(entry.header)
+        size = pieces[0][1] if pieces else 0
 
-        def write_chunk(off: int, n: int, copied: Fence) -> Then:
+        def write_chunk(buffer: HostBuffer, offset: int, n: int, copied: Fence) -> Then:
             copied.synchronize()
-            view = mem[base + off:base + off + n]
-            pwrite_all(job.fd, view, base + off, job.tmp)
+            view = buffer.memory()[:n]
+            pwrite_all(job.fd, view, offset, job.tmp)
             return Then(functools.partial(digest, view), self._hashes)  # the worker takes the next request first
 
-        by_chunk = k.is_contiguous() and v.is_contiguous()
-        if not by_chunk:
-            with streams.timed("transfer"):
-                copy_in(data, entry.layout, k, v, non_blocking=pinned)
-            job.item[1] = streams.record()
         for off, n in pieces:
-            if by_chunk:
+            item = self.staging.acquire(size)
+            queued = len(job.chunks)
+            try:
                 with streams.timed("transfer"):
-                    copy_range(data, entry.layout, k, v, off, off + n, non_blocking=pinned)
-                job.item[1] = streams.record()  # the last copy: the staging pool waits for it before reuse
-            self._chunks.submit(functools.partial(write_chunk, off, n, job.item[1]), f"the write of {entry.path}",
-                                into=job.chunks)
+                    copy_range(item[0].tensor, entry.layout, k, v, off, off + n, non_blocking=item[0].pinned)
+                item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
+                self._chunks.submit(functools.partial(write_chunk, item[0], base + off, n, item[1]),
+                                    f"the write of {entry.path}", into=job.chunks,
+                                    done=functools.partial(self._chunk_done, item))
+            except BaseException:
+                if len(job.chunks) == queued:  # not handed to a request: still this loop's to give back
+                    self.staging.release(item, item[1])
+                raise
+
+    def _chunk_done(self, item: list, future: cf.Future) -> None:
+        """A chunk's request finished, failed or was cancelled: nothing uses its buffer any more."""
+        self.staging.release(item, item[1])
 
     def _cancelled_write(self, job: "_Write", future: cf.Future) -> None:
         if future.cancelled():  # by close(): the finish never ran, so its cleanup happens here
@@ -157,36 +165,33 @@ class Writer:
     def _finish_write(self, key, entry: LayerFile, job: "_Write") -> None:
         if not job.claim():
             return  # an interrupt in `write` got there first and cleans up
-        item, fd_open = job.item, True
+        fd_open, head = True, None
         try:
             digests = wait_all(job.chunks, f"the write of {entry.path}")
             header = layer_header(key, entry.layout, digests)
             assert len(header) == len(entry.header), "digests are fixed-width: the header keeps its size"
-            mem = item[0].memory()
-            mem[:len(header)] = header
-            pwrite_all(job.fd, mem[:len(header)], 0, job.tmp)
+            head = HostBuffer(len(header))  # page-aligned, as O_DIRECT needs; a few KiB
+            with head.memory() as mem:
+                mem[:len(header)] = header
+                pwrite_all(job.fd, mem[:len(header)], 0, job.tmp)
             entry.header, entry.digests = header, digests
             fd_open, fd, job.fd = False, job.fd, -1
             finish_write(fd, job.tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames or discards
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
-                # A request may still be inside pwrite: its buffer and descriptor are never reused (no later
-                # request may write through a recycled descriptor number into another file).
-                self.staging.quarantine(item)
+                # A request may still be inside pwrite: its descriptor is never closed (no later request may
+                # write through a recycled descriptor number into another file), its buffer never given back.
                 self._stuck.append(f"the write of {entry.path}")
             elif fd_open:
                 when_done(job.chunks, functools.partial(self._release_write, job))
-            else:
-                self.staging.release(item, item[1])
-            item = None
-            if isinstance(exc, KVWriteError) and self.failed is None:
+            if isinstance(exc, (KVWriteError, IOStuckError)) and self.failed is None:
                 self.failed = exc
             raise
         finally:
-            if item is not None:
-                self.staging.release(item, item[1])
-            self._count(-1)  # last: a load that sees 0 may free this buffer
+            if head is not None:
+                head.release()
+            self._count(-1)  # last: a load that sees 0 may free the staging
 
     def _drop_write(self, job: "_Write") -> None:
         """Cleanup of a write whose finish never ran: once none of its chunk requests runs any more."""
@@ -199,5 +204,3 @@ class Writer:
             os.close(job.fd)
             job.fd = -1
             discard(job.tmp)
-        if job.item is not None:
-            self.staging.release(job.item, job.item[1])  # keeps the copy's fence: the next user waits for it

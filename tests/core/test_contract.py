@@ -93,7 +93,8 @@ ODD_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.bool,
 @pytest.mark.parametrize("mode", TIERS)
 def test_any_dtype_and_strided_views_round_trip_across_chunk_boundaries(mode, dtype, layout, tmp_path, monkeypatch):
     # The file tiers copy a layer chunk by chunk (a chunk may end inside K, span K's end and the padding, or
-    # start V); 4 KiB chunks put such boundaries in every layer. Strided K/V take the whole-layer copy.
+    # start V); 4 KiB chunks put such boundaries in every layer. Strided K/V go chunk by chunk too, each chunk
+    # as the few strided views that cover it.
     from offload_core.tiers import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 4096)
@@ -258,7 +259,8 @@ def test_a_failed_load_is_never_served_later(mode, tmp_path):
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
         for key, (k, v) in layers.items():
             store.put(key, k, v)
-        assert torch.equal(store.get(0)[0], layers[0][0])  # every write is done once a read is back
+        store.flush()  # every write is done
+        assert torch.equal(store.get(0)[0], layers[0][0])
         os.unlink(os.path.join(store.stats()["file_dir"], "layer-00002.safetensors"))
         assert torch.equal(store.get(1)[0], layers[1][0])  # prefetches layer 2 on file_async: that read fails
         for _ in range(2):  # asking again must fail again, not return what the slot held before

@@ -71,9 +71,11 @@ def test_a_full_disk_fails_at_put_with_the_directory_and_the_space_needed(mode, 
     assert os.listdir(where) == []
 
 
-def test_a_failed_background_write_is_reported_and_never_counted(tmp_path, monkeypatch, failing_writes):
-    # Stand-in for an I/O error after the space was allocated (a failing disk): pwrite of layer 1 fails.
-    store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_background_write_is_reported_and_never_counted(mode, tmp_path, monkeypatch, failing_writes):
+    # Stand-in for an I/O error after the space was allocated (a failing disk): pwrite of layer 1 fails. Both
+    # tiers write in the background: the put returns, the read of the layer and the next put report it.
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
     failing_writes("layer-00001")
     store.put(0, *layer(0))
     store.put(1, *layer(1))
@@ -114,17 +116,25 @@ def test_flush_reports_a_failed_write_and_lets_the_others_finish(tmp_path, faili
     assert os.listdir(tmp_path) == []
 
 
-def test_a_failed_write_in_file_sync_is_cleaned_up_once(tmp_path, failing_writes):
-    # The put's finish fails and cleans up; the put's own error path must then leave it alone (a second
-    # release would hand one staging buffer to two writers, a second close could hit another file's descriptor).
-    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_write_is_cleaned_up_once(mode, tmp_path, monkeypatch, failing_writes, wait_until):
+    # Every chunk's request gives its staging buffer back exactly once, also when the write fails and the
+    # requests after it are cancelled; the finish closes the descriptor and removes the temp file once (a
+    # second release would hand one buffer to two writers, a second close could hit another file's descriptor).
+    from offload_core.tiers import fileio
+
+    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)  # 16 chunks a layer: more than the ring holds
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
     store.put(0, *layer(0))
     heal = failing_writes("layer-00001")
+    store.put(1, *layer(1))
     with pytest.raises(KVWriteError, match=r"layer-00001.*EIO"):
-        store.put(1, *layer(1))
+        store.flush()
     heal()
     writer = store._tiers["file"]._writer
-    assert writer.staging._free.qsize() == len(writer.staging._all) == 1 and writer._writing == 0
+    assert writer._writing == 0
+    wait_until(lambda: writer.staging._free.qsize() == len(writer.staging._all) == writer._chunks.workers + 2)
+    assert len({id(item) for item in list(writer.staging._free.queue)}) == len(writer.staging._all)  # none twice
     assert files_in(store.stats()["file_dir"]) == ["layer-00000.safetensors"]  # no temp file left
     k, v = store.get(0)
     assert torch.equal(k, layer(0)[0]) and torch.equal(v, layer(0)[1])

@@ -170,17 +170,10 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _wait_for(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
 @pytest.mark.parametrize("where", ["copying a chunk", "just after queueing a chunk"])
 @pytest.mark.parametrize("mode", MODES)
-def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch):
+def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch, wait_until):
     # A put copies a layer chunk by chunk, queueing each chunk's write as soon as it is copied. Ctrl-C between
     # any two of those steps: the requests already queued are waited for, then the descriptor, the temp file
     # and the staging buffer go; the store serves its other layers exactly and takes the next put.
@@ -220,8 +213,8 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
         monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
         monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)
         directory = store.stats()["file_dir"]
-        _wait_for(lambda: not [n for n in os.listdir(directory) if n.endswith(".tmp")])
-        _wait_for(lambda: tier._writer.staging._free.qsize() == len(tier._writer.staging._all))  # every staging buffer is back
+        wait_until(lambda: not [n for n in os.listdir(directory) if n.endswith(".tmp")])
+        wait_until(lambda: tier._writer.staging._free.qsize() == len(tier._writer.staging._all))  # every staging buffer is back
         store.put(2, *data[2])
         for key in (0, 2):
             k, v = store.get(key)
@@ -233,7 +226,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
     assert os.listdir(tmp_path) == []
 
 
-def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool():
+def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_until):
     # The I/O thread hands the rest of a job (a chunk's checksum) to another pool and takes the next request;
     # the job's future completes with the rest's result, or with an error if that pool shuts down first.
     io, hashes = iopool.IOPool(1, "test_io"), iopool.IOPool(1, "test_hash")
@@ -249,7 +242,7 @@ def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool():
         hashes.submit(lambda: (running.set(), blocker.wait(5)), "a long checksum")
         assert running.wait(5)
         third = io.submit(lambda: iopool.Then(lambda: "never", hashes), "the third read")
-        _wait_for(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
+        wait_until(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
         hashes.shutdown(0.0)
         with pytest.raises(RuntimeError, match="shut down before the third read finished"):
             third.result(timeout=5)

@@ -114,3 +114,46 @@ def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path):
     staging = held["host_pageable"] + held["host_pinned"]  # pinned where copies are asynchronous (CUDA or its model)
     assert 0 < staging <= (store.depth + 1) * os.path.getsize(layer_files(store)[0])
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_a_put_holds_a_few_chunks_of_staging_whatever_the_layer_size(mode, tmp_path, monkeypatch):
+    # Each chunk goes out through one buffer of a small ring: a layer four times the ring's size is written
+    # exactly through it, and the staging held never exceeds the ring.
+    from offload_core.tiers import fileio
+
+    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
+    gen = torch.Generator().manual_seed(3)
+    layers = [(torch.randn(1, 4, 1024, 64, generator=gen), torch.randn(1, 4, 1024, 64, generator=gen))
+              for _ in range(3)]  # 2 MiB a layer: 32 chunks
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    for i, (k, v) in enumerate(layers):
+        store.put(i, k, v)
+        writer = store._tiers["file"]._writer
+        ring = writer._chunks.workers + 2
+        held = writer.staging.buffers()
+        assert 0 < len(held) <= ring and all(b.nbytes == 64 << 10 for b in held)
+    for i, (k, v) in enumerate(layers):
+        got_k, got_v = store.get(i)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
+    # The write lane finishes each file (header, rename) once its chunks are on disk; the put does not wait for
+    # it, so the next layer's chunks queue behind this one's and the disk never idles between layers. A get of
+    # the layer waits for its file.
+    import threading
+
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    store.put(0, k, v)
+    tier, gate = store._tiers["file"], threading.Event()
+    tier._lanes["write"].submit(lambda: gate.wait(10), "a held write lane")
+    store.put(1, k * 2, v * 2)
+    assert not tier._files[1].written and not tier._files[1].write.done()
+    gate.set()
+    got_k, got_v = store.get(1)
+    assert tier._files[1].written and torch.equal(got_k, k * 2) and torch.equal(got_v, v * 2)
+    store.close()

@@ -6,6 +6,7 @@ import torch
 import offload_core.store as store_module
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.plan import RESERVE_BYTES, GiB
+from offload_core.tiers import file, fileio
 
 SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout
 LAYER = 16384
@@ -51,8 +52,8 @@ def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
     layers = make_layers()
     depth = config.depth
     # The file place's staging: read buffers (header + data each), and until the writes in flight at the first
-    # get have finished (the next load frees them), the write buffers too (1, or 2 with background writes).
-    staging = (depth + 1) * (LAYER + 2 * 4096) + (2 if depth else 1) * (LAYER + 4096)
+    # get have finished (the next load frees them), the write ring too (a chunk, at most, per buffer).
+    staging = (depth + 1) * (LAYER + 2 * 4096) + (file.IO_DEPTH + 2) * min(fileio.CHUNK, LAYER)
     peaks = {"host": 0}
 
     def check(store):

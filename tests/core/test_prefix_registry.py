@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 import torch
@@ -222,3 +223,46 @@ def test_parked_file_store_served_request_after_request_holds_no_more_host_slots
             assert torch.equal(k, layers[i][0]) and torch.equal(v, layers[i][1])
     assert 0 < made == len(slots) <= store.depth + 1
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_admission_waits_for_the_file_writes_and_counts_what_is_on_disk(mode, tmp_path):
+    # The file modes write in the background: an admitted store's files are whole, its entry counts their
+    # bytes, and the write staging (host RAM held for the puts) is not charged to the entry because it is gone.
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    layer = [(torch.full((1, 16, 2, 8), float(i)), torch.zeros(1, 16, 2, 8)) for i in range(LAYERS)]
+    store.put(0, *layer[0])
+    store.flush()
+    first = store.stats()["bytes"]["file"]
+    tier, gate = store._tiers["file"], threading.Event()
+    hold = tier._lanes["write"].submit(lambda: gate.wait(10), "a held write lane")  # no later layer finishes yet
+    for i in range(1, LAYERS):
+        store.put(i, *layer[i])
+    assert store.stats()["bytes"]["file"] == first > 0  # a layer is counted only once it is on disk
+    registry = PrefixRegistry({"device": 1 << 30, "host": 1 << 30, "file": 1 << 30})
+    gate.set()
+    assert registry.admit(key(torch.ones(3)), store, "cond")
+    assert hold.done()
+    directory = store.stats()["file_dir"]
+    on_disk = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors"))
+    (entry,) = registry.stats()["held"]
+    assert on_disk > 0 and entry["bytes"]["file"] == on_disk and entry["bytes"]["host"] == 0
+    assert tier._writer.staging.buffers() == []
+    registry.close()
+
+
+def test_a_store_whose_file_write_failed_is_not_kept(tmp_path, failing_writes, caplog):
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    heal = failing_writes("layer-00001")
+    for i in range(LAYERS):
+        store.put(i, torch.full((1, 16, 2, 8), float(i)), torch.zeros(1, 16, 2, 8))
+    registry = PrefixRegistry({"device": 1 << 30, "host": 1 << 30, "file": 1 << 30})
+    with caplog.at_level("WARNING", logger="offload_core.reuse"):
+        assert not registry.admit(key(torch.ones(3)), store, "cond")
+    heal()
+    stats = registry.stats()
+    assert stats["entries"] == 0 and stats["rejected"] == 1
+    assert "could not be written" in stats["last_rejection"] and "EIO" in stats["last_rejection"]
+    assert "not kept" in caplog.text
+    assert store.closed and files(tmp_path) == []
+    registry.close()

@@ -65,12 +65,13 @@ def test_flux2_full_disk_keeps_the_cache_on_the_device(flux_pipe, images, mode, 
     disable_kv_offload(flux_pipe)
 
 
-def test_qwen21_io_error_writing_the_last_layer_in_the_background_recomputes(qwen_pipe, images, tmp_path, caplog,
-                                                                            failing_writes):
-    # file_async writes in the background, so an I/O error on the last layer surfaces after its put; the store
-    # is flushed when the extract forward ends, and the later steps recompute the prefix instead of failing.
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_qwen21_io_error_writing_the_last_layer_in_the_background_recomputes(mode, qwen_pipe, images, tmp_path,
+                                                                            caplog, failing_writes):
+    # The file modes write in the background, so an I/O error on the last layer surfaces after its put; the
+    # store is flushed when the extract forward ends, and the later steps recompute the prefix instead of failing.
     reference = models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
-    session = enable_kv_offload(qwen_pipe, "file_async", file_dir=str(tmp_path))
+    session = enable_kv_offload(qwen_pipe, mode, file_dir=str(tmp_path))
     heal = failing_writes(f"layer-{len(qwen_pipe.transformer.transformer_blocks) - 1:05d}")
     with caplog.at_level("WARNING", logger="offload_core.diffusers.session"):
         out = models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)

@@ -118,13 +118,13 @@ def test_a_full_disk_during_capture_falls_back_to_recompute(mode, cfg, mount_tmp
     assert no_files(where) == []
 
 
-@pytest.mark.parametrize("cfg", [None, 3.0])
-def test_an_io_error_writing_the_last_layer_in_the_background_falls_back_to_recompute(cfg, tmp_path, caplog,
+@pytest.mark.parametrize("mode,cfg", [("file_async", None), ("file_async", 3.0), ("file_sync", None)])
+def test_an_io_error_writing_the_last_layer_in_the_background_falls_back_to_recompute(mode, cfg, tmp_path, caplog,
                                                                                       failing_writes):
-    # file_async writes in the background: an I/O error (a failing disk, not a full one, which `put` sees at
-    # once) surfaces only after the last put. The capture is checked when its forward ends, so the run falls
+    # The file modes write in the background: an I/O error (a failing disk, not a full one, which `put` sees
+    # at once) surfaces only after the last put. The capture is checked when its forward ends, so the run falls
     # back there instead of failing on a cached step.
-    dm, patched = patched_tiny("file_async", tmp_path)
+    dm, patched = patched_tiny(mode, tmp_path)
     noise, refs, txts = inputs(0, cfg=cfg is not None)
     heal = failing_writes("layer-00003")  # TinyDiT: 2 double + 2 single blocks, one layer file each per cond
     with caplog.at_level(logging.WARNING):
