@@ -20,20 +20,21 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Dict, Hashable, List, Optional, Set, Tuple
+from typing import Dict, Hashable, Optional, Set, Tuple
 
 import torch
 
 from .codec import add_error, codec_for
 from .config import HostServices, Mode, OffloadConfig
-from .devices import DONE, Streams, open_streams, unified_memory_reason
+from .devices import Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
 from .hostmem import HostAllocator, pin_room
 from .layout import LayerLayout, layout_for, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
+from .ring import Layers, SlotRing
 from .stats import StoreStats, free_device_memory, free_host_memory
-from .tiers import Pending, Tier, TierContext
+from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, close_tiers, open_tier
 
@@ -43,17 +44,6 @@ log = logging.getLogger(__name__)
 def same_pool_reason(device: torch.device) -> Optional[str]:
     """Why `auto` must not plan RAM places beside this device beyond unified memory: the device is the CPU."""
     return "the device is the CPU" if device.type == "cpu" else None
-
-
-class _Slot:
-    __slots__ = ("buffer", "coded", "key", "pending", "release")
-
-    def __init__(self) -> None:
-        self.buffer: Optional[torch.Tensor] = None  # the layer as served (the dtype put)
-        self.coded: Optional[torch.Tensor] = None  # with a codec: the encoded bytes a tier copies in
-        self.key: Optional[Hashable] = None
-        self.pending = Pending()
-        self.release = DONE
 
 
 class KVStore:
@@ -102,11 +92,10 @@ class KVStore:
         self._where: Dict[Hashable, str] = {}
         self._resident: Set[Hashable] = set()  # layers kept on the device, served without a load
         self._used = {DEVICE: 0, "host": 0}
-        self._slots: List[_Slot] = []
+        self._ring: Optional[SlotRing] = None
         self._layouts: Dict[Hashable, LayerLayout] = {}
         self._kept: Dict[Hashable, LayerLayout] = {}
         self._order = LayerOrder()
-        self._current: Optional[_Slot] = None
         self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
         self._owner: Optional[threading.Thread] = None
         self._owner_lock, self._busy = threading.Lock(), threading.RLock()
@@ -136,7 +125,8 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        self._slots = [_Slot() for _ in range(self.depth + 1)]  # buffers come at the first load
+        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None)
+        self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
@@ -190,16 +180,15 @@ class KVStore:
         self.closed = True
         self._served = None
         try:
-            for slot in self._slots:
-                slot.pending.cancel()
+            if self._ring is not None:
+                self._ring.cancel()
         finally:
-            self._current = None
             if self._streams is not None:
                 self._finalizer()  # background work finished, then buffers freed and files deleted
                 self._streams.resolve(block=True)
                 log.info("KV offload%s: closed; %s", self._tag, self._stats.summary(self._streams))
-            # Device slots go last: no copy into them can be in flight any more.
-            self._slots = []
+            if self._ring is not None:
+                self._ring.drop()  # device slots go last: no copy into them can be in flight any more
             self._stats.device_bytes = 0
             self._stats.resident_layers = 0
 
@@ -263,22 +252,24 @@ class KVStore:
         direct = key in self._resident and self._codec is None
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
-        if self._current is not None and self._current.key == key:
-            return self._serve(key, *views(self._current.buffer, layout))  # the same layer again: nothing moves
+        ring = self._ring
+        if ring.current is not None and ring.current.key == key:
+            return self._serve(key, *views(ring.current.buffer, layout))  # the same layer again: nothing moves
         self._order.observe(key)
-        self._release_current()
+        ring.release_current()
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
         # the consumer is stalled; copies queued on the side stream are not.
         with self._streams.timed("wait"):
+            ahead = self._order.ahead(key, self.depth, skip=self._resident)
             if direct:
-                self._prefetch_after(key)  # the next streamed layers' copies hide behind this layer's compute
+                ring.prefetch(key, ahead)  # the next streamed layers' copies hide behind this layer's compute
                 return self._serve(key, *self._tiers[DEVICE].view(key))
-            slot = self._slot_of(key)
+            slot = ring.holding(key)
             if slot is None:  # not prefetched: the consumer waits for the whole load
                 if key not in self._resident:
                     self._stats.misses += 1
-                slot = self._load(key, self._spare_slot(keep=set(self._ahead(key))))
-            self._prefetch_after(key)
+                slot = ring.load(key, ring.spare(keep=ahead))
+            ring.prefetch(key, ahead)
             try:
                 slot.pending.wait(self._streams.consumer())
             except BaseException:
@@ -286,7 +277,7 @@ class KVStore:
                 raise
         if self._codec is not None:
             self._decode(key, slot)
-        self._current = slot
+        ring.current = slot
         return self._serve(key, *views(slot.buffer, layout))
 
     def _serve(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -298,10 +289,10 @@ class KVStore:
         # in-place write by the consumer is seen here the same way on every tier.
         served, self._served = self._served, None
         if served is not None and served[1]._version + served[2]._version != served[3]:
-            self._release_current()  # an offloaded tier reloads the layer clean next time
+            self._ring.release_current()  # an offloaded tier reloads the layer clean next time
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
-    def _decode(self, key: Hashable, slot: _Slot) -> None:
+    def _decode(self, key: Hashable, slot) -> None:
         # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
         # next load waits for the release fence recorded after this decode and the kernels reading its output.
         kept = self._kept[key]
@@ -313,77 +304,6 @@ class KVStore:
         except BaseException:
             slot.key = None
             raise
-
-    def _ahead(self, key: Hashable) -> List[Hashable]:
-        return self._order.ahead(key, self.depth, skip=self._resident)
-
-    def _prefetch_after(self, key: Hashable) -> None:
-        ahead = self._ahead(key)
-        for nxt in ahead:
-            if self._slot_of(nxt) is None:
-                spare = self._spare_slot(keep={key, *ahead})
-                if spare is None:
-                    return
-                self._load(nxt, spare)
-
-    def _release_current(self) -> None:
-        if self._current is not None:
-            # Kernels reading this slot are queued on the consumer's stream up to here; a copy into the slot
-            # waits for this event, so it can never overwrite data still being read.
-            self._current.release = self._streams.record()
-            self._current.key = None
-            self._current = None
-
-    def _slot_of(self, key: Hashable) -> Optional[_Slot]:
-        return next((s for s in self._slots if s.key == key), None)
-
-    def _spare_slot(self, keep) -> Optional[_Slot]:
-        """An empty slot, else one holding a prefetch no longer expected (skipped block, changed order).
-
-        Reusing a slot with a load still in flight is safe: copies into it are queued first-in-first-out on
-        one stream (and one I/O thread), and each waits for the slot's release fence.
-        """
-        empty = next((s for s in self._slots if s.key is None), None)
-        return empty or next((s for s in self._slots if s.key not in keep), None)
-
-    def _load(self, key: Hashable, slot: _Slot) -> _Slot:
-        layout, kept = self._layouts[key], self._kept[key]
-        coded = kept.data_bytes if self._codec is not None and key not in self._resident else 0
-        self._fit_slot(slot, layout.data_bytes, coded)
-        slot.key = None  # set only once the load is queued: a failed load must never be served
-        if key in self._resident:
-            slot.pending = Pending()  # decoded at `get` straight from the resident bytes: nothing to copy
-        else:
-            target = slot.coded if self._codec is not None else slot.buffer
-            slot.pending = self._tiers[self._where[key]].load(key, target, slot.release)
-            self._stats.count_transfer(kept.data_bytes)
-        slot.key = key
-        self._stats.set_resident(len(self._resident) + sum(1 for s in self._slots if s.key is not None))
-        return slot
-
-    def _fit_slot(self, slot: _Slot, nbytes: int, coded: int) -> None:
-        small = slot.buffer is None or slot.buffer.numel() < nbytes
-        small_coded = coded and (slot.coded is None or slot.coded.numel() < coded)
-        if not (small or small_coded):
-            return
-        slot.pending.settle()  # the old buffers may still be the target of a copy
-        grown = 0
-        if small:
-            grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
-            slot.buffer = self._new_slot(nbytes)
-        if small_coded:
-            grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
-            slot.coded = self._new_slot(coded)
-        # The caching allocator may hand out memory freed by kernels still queued on the consumer's stream;
-        # a copy on the side stream must not start before they have run.
-        slot.release = self._streams.record()
-        self._stats.add_device(grown, layers=0)
-
-    def _new_slot(self, nbytes: int) -> torch.Tensor:
-        files = self._tiers.get(FILE)
-        if files is not None and self._streams.immediate:  # a CPU slot the file tier's O_DIRECT reads fill in place
-            return files.new_slot(nbytes, self.device)
-        return self._streams.empty(nbytes)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -426,16 +346,9 @@ class KVStore:
             if files is not None and not self.sealed:
                 files.flush()  # the layers are whole on disk (and counted) and the write staging is freed
             self.sealed = True
-            self._release_current()
             self._served = None
-            for slot in self._slots:
-                slot.pending.settle()
-            self._streams.drain()
-            for slot in self._slots if files is not None else ():
-                for buffer in (slot.buffer, slot.coded):  # host slots the file tier made go back to the OS
-                    if buffer is not None:
-                        files.release_slot(buffer)
-            self._slots = [_Slot() for _ in self._slots]
+            # Host slots the file tier made go back to the OS; device slots to the caching allocator.
+            self._ring.empty(files.release_slot if files is not None else lambda buffer: None)
             self._stats.device_bytes = sum(self._kept[k].k.nbytes + self._kept[k].v.nbytes for k in self._resident)
             self._stats.set_resident(len(self._resident))
             with self._owner_lock:

@@ -203,7 +203,7 @@ def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
         store.put(key, k, v)
     store.get(0)
     store.get(1)  # prefetches layer 2, whose read is interrupted in the background
-    store._slot_of(2).pending._future.exception(timeout=60)
+    store._ring.holding(2).pending._future.exception(timeout=60)
     try:
         store.close()
     except KeyboardInterrupt:

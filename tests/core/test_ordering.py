@@ -39,7 +39,7 @@ def assert_exact(seen, layers):
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("mode", ASYNC)
 def test_a_slot_is_overwritten_only_after_the_kernels_reading_it(make_sim, mode, depth, tmp_path):
-    # Guards the release fence (`_release_current`): side copies run as early as they may, kernels lag.
+    # Guards the release fence (`SlotRing.release_current`): side copies run as early as they may, kernels lag.
     sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=30)
     with KVStore(config(mode, tmp_path, depth), "cpu") as store:
@@ -141,7 +141,7 @@ def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
             store.put(key, k, v)
         read_back(sim, store, range(6))  # the order is learned; layer 0 is prefetched for the next step
         read_back(sim, store, [0, 1])  # layer 2 is in flight now
-        target = store._slot_of(2).buffer.data_ptr()
+        target = store._ring.holding(2).buffer.data_ptr()
 
         def interrupt(stream, dst, src):
             if dst.data_ptr() == target:  # the prefetch of layer 4 into the slot that holds layer 2
