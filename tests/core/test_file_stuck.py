@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import pytest
 import torch
 
-from offload_core import KVStore, OffloadConfig
+from offload_core import KVStore, KVWriteError, OffloadConfig
 from offload_core.tiers import fileowner, iopool
 
 MODES = ["file_sync", "file_async"]
@@ -119,6 +119,48 @@ def test_read_stuck_in_the_kernel_fails_get_and_close_within_the_bound(mode, tmp
         consumer.shutdown(wait=False)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a write is for")
+@pytest.mark.parametrize("mode", MODES)
+def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, tmp_path, monkeypatch, caplog,
+                                                                           wait_until):
+    # A chunk's pwrite never returns (a dead network disk). The layer's finish gives up after the bound, the
+    # store takes no more layers, and close() walks away from the request: its buffer is never handed to
+    # another chunk (the kernel may still read it) and its descriptor never closed.
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.5)
+    data = layers(3)
+    real, entered, release = os.pwrite, threading.Event(), threading.Event()
+
+    def pwrite(fd, buffer, offset):
+        if "layer-00001" in os.readlink(f"/proc/self/fd/{fd}"):
+            entered.set()
+            release.wait(60)
+        return real(fd, buffer, offset)
+
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    store.put(0, *data[0])
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    try:
+        store.put(1, *data[1])
+        assert entered.wait(10)
+        writer = store._tiers["file"]._writer
+        with pytest.raises(TimeoutError, match=r"the write of .*layer-00001\.safetensors'? did not finish within 0\.5 s"):
+            store.flush()  # its own bound, or the layer's finish giving up: both name the layer
+        wait_until(lambda: writer.failed is not None)  # the finish gave up on the request
+        with pytest.raises(KVWriteError, match="could not be written"):
+            store.put(2, *data[2])
+        assert writer.staging._free.qsize() < len(writer.staging._all)  # the stuck request keeps its buffer
+        k, v = store.get(0)
+        assert torch.equal(k, data[0][0]) and torch.equal(v, data[0][1])
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file"):
+            store.close()
+        assert time.monotonic() - start < 8
+        assert "stuck in the kernel" in caplog.text and "layer-00001" in caplog.text
+        assert os.listdir(tmp_path) == []
+    finally:
+        release.set()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_inside_close_still_deletes_everything_then_raises(mode, tmp_path, monkeypatch):
     data = layers(3)
@@ -171,24 +213,34 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
-@pytest.mark.parametrize("where", ["copying a chunk", "just after queueing a chunk"])
+@pytest.mark.parametrize("where", ["waiting for a staging buffer", "copying a chunk", "just after queueing a chunk"])
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch, wait_until):
-    # A put copies a layer chunk by chunk, queueing each chunk's write as soon as it is copied. Ctrl-C between
-    # any two of those steps: the requests already queued are waited for, then the descriptor, the temp file
-    # and the staging buffer go; the store serves its other layers exactly and takes the next put.
+    # A put copies a layer chunk by chunk through a ring of staging buffers, queueing each chunk's write as soon
+    # as it is copied. Ctrl-C between any two of those steps: the requests already queued are waited for, then
+    # the descriptor and the temp file go, every buffer comes back; the store serves its other layers exactly
+    # and takes the next put.
     from offload_core.tiers import filewrite as file_tier, fileio
 
-    monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
+    monkeypatch.setattr(fileio, "CHUNK", 512 << 10)
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)  # a staging buffer never given back fails fast
-    data = layers(3, shape=(1, 2, 2048, 128))  # 4 MiB a layer: four chunks
+    data = layers(3, shape=(1, 2, 2048, 128))  # 4 MiB a layer: eight chunks, more than the ring's buffers
     before = len(os.listdir("/proc/self/fd"))
-    for at in range(4):
+    for at in range(8):
         store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
         store.put(0, *data[0])
         tier = store._tiers["file"]
         calls = []
-        if where == "copying a chunk":
+        if where == "waiting for a staging buffer":  # the ring is smaller than a layer: a put waits for buffers
+            real_acquire = tier._writer.staging.acquire
+
+            def acquire(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == at + 1:
+                    raise KeyboardInterrupt
+                return real_acquire(*args, **kwargs)
+            monkeypatch.setattr(tier._writer.staging, "acquire", acquire)
+        elif where == "copying a chunk":
             real_copy = file_tier.copy_range
 
             def copy(*args, **kwargs):
@@ -210,7 +262,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
         with pytest.raises(KeyboardInterrupt):
             store.put(1, *data[1])
         monkeypatch.undo()
-        monkeypatch.setattr(fileio, "CHUNK", 1 << 20)
+        monkeypatch.setattr(fileio, "CHUNK", 512 << 10)
         monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)
         directory = store.stats()["file_dir"]
         wait_until(lambda: not [n for n in os.listdir(directory) if n.endswith(".tmp")])
