@@ -344,7 +344,7 @@ class KVStore:
                 return
             files = self._tiers.get(FILE)
             if files is not None and not self.sealed:
-                files.flush()  # the layers are whole on disk (and counted) and the write staging is freed
+                files.settle_writes()  # the layers are whole on disk (and counted), the write staging freed
             self.sealed = True
             self._served = None
             # Host slots the file tier made go back to the OS; device slots to the caching allocator.

@@ -108,8 +108,7 @@ class FileTier(Tier):
         return self._reader.load(entry, slot, release)
 
     def flush(self) -> None:
-        """Waits until every layer stored so far is on disk, then raises the first write error, if any, or frees
-        the write staging.
+        """Waits until every layer stored so far is on disk, then raises the first write error, if any.
 
         Cancels nothing (a failed layer leaves the others' writes to finish); each wait is bounded by one layer
         operation, since the write lane finishes layers in order."""
@@ -128,7 +127,11 @@ class FileTier(Tier):
                 first = first or exc
         if first is not None:
             raise first
-        self._writer.trim_if_idle()  # every write is done: its staging would only hold host RAM until the next put
+
+    def settle_writes(self) -> None:
+        """`flush`, then frees the write staging at once (between requests: the store takes no more puts)."""
+        self.flush()
+        self._writer.trim_if_idle(wait=True)
 
     # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:

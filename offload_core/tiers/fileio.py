@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import logging
 import os
 import stat
@@ -66,13 +67,22 @@ def chunks(start: int, end: int, size: Optional[int] = None) -> List[Tuple[int, 
     return [(off, min(size, end - off)) for off in range(start, end, size)]
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> Optional[ctypes.CDLL]:
+    """The C library, looked up once: `find_library` may run `ldconfig`, milliseconds every store would pay."""
+    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    try:
+        return ctypes.CDLL(name, use_errno=True) if name else None
+    except OSError:
+        return None
+
+
 def ram_backed(directory: str) -> Optional[str]:
     """The name of the RAM-backed filesystem `directory` is on (tmpfs, ramfs...), else None."""
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name or not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return None
     try:
-        libc = ctypes.CDLL(libc_name, use_errno=True)
         buf = ctypes.create_string_buffer(256)  # struct statfs; f_type is its first field, a C long
         if libc.statfs(os.fsencode(directory), buf) != 0:
             return None

@@ -84,12 +84,26 @@ class Writer:
         self.staging = StagingPool(ctx.allocator, chunks.workers + 2, "write")
         self.failed: Optional[BaseException] = None
         self._writing = 0  # layers queued or being written; changed under _count_lock
+        self._trim_queued = False
         self._count_lock = threading.Lock()
 
-    def trim_if_idle(self) -> None:
-        """Frees the write staging once no write is in flight (extraction is over: it would only hold RAM)."""
-        if self._writing == 0 and self.staging.buffers():
+    def trim_if_idle(self, wait: bool = False) -> None:
+        """Frees the write staging once no write is in flight (extraction is over: it would only hold RAM).
+
+        On the write lane, behind the last finish, unless `wait`: unmapping a few dozen MiB of touched pages
+        takes milliseconds that the first read after the puts should not wait for. A put meanwhile only waits
+        for the buffers the trim holds (it takes the free ones and gives them back empty)."""
+        if self._writing != 0 or not self.staging.buffers():
+            return
+        if wait:
             self.staging.trim()
+        elif not self._trim_queued:
+            self._trim_queued = True
+            self._lane.submit(self._trim, "freeing the write staging")
+
+    def _trim(self) -> None:
+        self._trim_queued = False
+        self.staging.trim()
 
     def write(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout, path: str) -> LayerFile:
         """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole).
