@@ -178,8 +178,8 @@ def run(args) -> Dict[str, object]:
     limits, rows = _combine(rounds)
     for row in rows:
         if row["tier"].startswith("file"):
-            row["put_vs_raw"] = row["put_gib_s"] / limits["file"]["best_write_gib_s"]
-            row["get_vs_raw"] = row["get_gib_s"] / limits["file"]["best_read_gib_s"]
+            row["put_vs_raw"] = row["put_gib_s"] / limits["file"]["limit_write_gib_s"]
+            row["get_vs_raw"] = row["get_gib_s"] / limits["file"]["limit_read_gib_s"]
             # The most conservative reading: the tier's best round against the best raw sample anywhere.
             row["best_put_vs_max_raw"] = row["best_put_gib_s"] / limits["file"]["max_write_gib_s"]
             row["best_get_vs_max_raw"] = row["best_get_gib_s"] / limits["file"]["max_read_gib_s"]
@@ -201,10 +201,14 @@ def _median_round(runs: List[dict], key: str) -> dict:
 
 
 def _combine(rounds):
-    """Every figure as its median over the interleaved rounds, raw limits and tiers alike; the raw limit is the
-    best queue depth's median. A best-of figure grows with the number of samples it is the best of, and the
-    raw sweep has one per depth where a tier has one: medians compare like with like on a disk whose speed
-    swings from second to second. The best-of figures are kept too (`best_*`), and every round's."""
+    """Every figure as its median over the interleaved rounds, raw limits and tiers alike.
+
+    The raw file limit (`limit_*_gib_s`) is the best queue depth measured again: the median of the raw passes
+    run beside each file tier, each at the depth its round's sweep found best. Not the sweep's best median
+    itself: picking the largest of several near-equal noisy medians and reading off that same sample
+    overstates the disk (the winner's curse) by about its spread; a depth that is really better still wins
+    the sweep, and its fresh passes still show it. Medians, since a best-of figure grows with the number of
+    samples it is the best of. The sweep's figures and the best-of ones are kept too, and every round's."""
     files = [r[0]["file"] for r in rounds]
     limits = dict(rounds[0][0])
     best_file = dict(files[0])
@@ -214,6 +218,10 @@ def _combine(rounds):
         best_file[f"best_{kind}_depth"] = max(per_depth, key=per_depth.get)
         best_file[f"best_{kind}_gib_s"] = max(per_depth.values())
         best_file[f"max_{kind}_gib_s"] = max(max(f[f"{kind}_gib_s"].values()) for f in files)  # any depth, any round
+    for kind in ("write", "read"):
+        again = [row[f"paired_raw_{kind}_gib_s"] for r in rounds for row in r[1] if f"paired_raw_{kind}_gib_s" in row]
+        best_file[f"limit_{kind}_gib_s"] = statistics.median(again) if again else best_file[f"best_{kind}_gib_s"]
+        best_file["limit_passes"] = len(again)
     limits["file"] = best_file
     limits["ram_gib_s"] = statistics.median([r[0]["ram_gib_s"] for r in rounds])
     if "cuda" in limits:
@@ -260,12 +268,14 @@ def table(result: Dict[str, object]) -> str:
         f"raw files ({'O_DIRECT' if f['o_direct'] else 'buffered, pages dropped'}, {f['chunk_bytes'] >> 20} MiB "
         f"requests) write/read GiB/s: {raw}; best write {f['best_write_gib_s']:.2f} (qd{f['best_write_depth']}), "
         f"best read {f['best_read_gib_s']:.2f} (qd{f['best_read_depth']})",
+        f"raw file limit: write {f['limit_write_gib_s']:.2f}, read {f['limit_read_gib_s']:.2f} GiB/s (the best depth "
+        f"measured again: median of the {f['limit_passes']} raw passes beside the file tiers)",
         f"raw RAM memcpy {result['limits']['ram_gib_s']:.2f} GiB/s" + (
             "; pinned H2D {h2d_gib_s:.2f} / D2H {d2h_gib_s:.2f} GiB/s".format(**result["limits"]["cuda"])
             if "cuda" in result["limits"] else ""),
         f"file tiers: {result['io_depth']} requests in flight per store; async tiers: prefetch depth "
         f"{result['prefetch_depth']}, compute {result['compute_ratio']}x the per-layer read time; every figure "
-        f"is the median of {result['rounds']} interleaved rounds (the raw limit: the best depth's median)",
+        f"is the median of {result['rounds']} interleaved rounds",
         "",
         "| tier       | put GiB/s | put / raw write | get GiB/s | get / raw read | read ms/layer | compute ms/layer "
         "| exposed ms | hidden | exact |",
@@ -281,8 +291,8 @@ def table(result: Dict[str, object]) -> str:
             f"| {_fmt(r.get('hidden'), '6.0%')} | {str(r['exact']):<5} |")
     strict = [r for r in result["rows"] if "best_put_vs_max_raw" in r]
     if strict:
-        lines += ["", "paired (a raw pass at the sweep's best depths just before each tier, in every round; median "
-                      "of the per-round ratios): " + "; ".join(
+        lines += ["", "paired (against the raw pass just before each tier, in every round; median of the per-round "
+                      "ratios): " + "; ".join(
                           f"{r['tier']} put {r['put_vs_paired']:.0%}, get {r['get_vs_paired']:.0%}" for r in strict)]
         lines += ["", f"best round against the best raw sample of any depth and round (raw write {f['max_write_gib_s']:.2f}, "
                       f"read {f['max_read_gib_s']:.2f} GiB/s): " + "; ".join(

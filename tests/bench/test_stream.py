@@ -23,11 +23,13 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
     assert set(rows) == {"ram_sync", "ram_async", "file_sync", "file_async"}
     assert all(r["exact"] for r in rows.values())
     for tier in ("file_sync", "file_async"):
-        assert rows[tier]["get_vs_raw"] > 0 and rows[tier]["put_vs_raw"] > 0
+        assert rows[tier]["get_vs_raw"] == pytest.approx(rows[tier]["get_gib_s"] / limits["limit_read_gib_s"])
+        assert rows[tier]["put_vs_raw"] == pytest.approx(rows[tier]["put_gib_s"] / limits["limit_write_gib_s"])
         assert rows[tier]["get_vs_paired"] > 0 and rows[tier]["put_vs_paired"] > 0
         assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[tier]["rounds"])
     assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
-    assert "get / raw read" in printed and "file_async" in printed
+    assert limits["limit_passes"] == 2 * result["rounds"]  # a raw pass beside each file tier in every round
+    assert "get / raw read" in printed and "raw file limit" in printed and "file_async" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
 
 
@@ -81,6 +83,9 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
     assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
     assert f["max_write_gib_s"] == 9.5 and f["max_read_gib_s"] == 9.0 and len(limits["rounds"]) == 3
+    # The limit the ratios use: the best depth measured again, in the passes beside the tier (not the sweep's
+    # best median, which is read off the same samples that picked it).
+    assert (f["limit_write_gib_s"], f["limit_read_gib_s"], f["limit_passes"]) == (1.0, 2.0, 3)
     row = rows[0]
     assert (row["put_gib_s"], row["get_gib_s"], row["best_put_gib_s"], row["best_get_gib_s"]) == (1.0, 1.9, 1.1, 2.0)
     assert row["hidden"] == 0.19 and len(row["rounds"]) == 3
