@@ -154,10 +154,12 @@ def reserve(path: str, length: int, cache_mode: str) -> int:
             import fcntl
 
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-    except OSError as exc:
+    except BaseException as exc:  # an interrupt too: no descriptor or temp file may outlive a failed reserve
         os.close(fd)
         discard(path)
-        raise write_error(path, length, exc) from None
+        if isinstance(exc, OSError):
+            raise write_error(path, length, exc) from None
+        raise
     return fd
 
 

@@ -21,7 +21,6 @@ from typing import Hashable, List, Optional
 
 import torch
 
-from ..devices import Fence
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout, copy_range, safetensors_header
 from . import fileio
@@ -63,6 +62,23 @@ class _Write:
         with self._lock:
             first, self._claimed = not self._claimed, True
         return first
+
+
+class _Lease:
+    """One chunk's staging buffer, given back exactly once: by its request as soon as it is done with it (so a
+    wait for the chunk finds the buffer back), or through the request's future if the request, or its
+    checksum, never ran (cancelled, a pool shut down). A request stuck in the kernel never gives it back, so
+    nothing reuses memory the kernel may still read."""
+    __slots__ = ("item", "_pool", "_lock")
+
+    def __init__(self, pool: StagingPool, item: list):
+        self.item, self._pool, self._lock = item, pool, threading.Lock()
+
+    def give_back(self, *_future) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.release(self.item, self.item[1])  # with the copy's fence: the next user waits for it
 
 
 def layer_header(key: Hashable, layout: LayerLayout, digests: List[int]) -> bytes:
@@ -121,9 +137,8 @@ class Writer:
             self._count(+1)
             job.fd = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
-            finish = self._lane.submit(functools.partial(self._finish_write, key, entry, job),
-                                       f"the write of {entry.path}", into=job.lane)
-            finish.add_done_callback(functools.partial(self._cancelled_write, job))
+            self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
+                              into=job.lane, done=functools.partial(self._cancelled_write, job))
         except BaseException:
             # Failed or interrupted before its finish took over: the chunk writes are waited for (or cancelled),
             # then the descriptor and the temp file go. A finish that already runs cleans up itself.
@@ -143,30 +158,37 @@ class Writer:
         streams, base = self._ctx.streams, len(entry.header)
         size = pieces[0][1] if pieces else 0
 
-        def write_chunk(buffer: HostBuffer, offset: int, n: int, copied: Fence) -> Then:
-            copied.synchronize()
-            view = buffer.memory()[:n]
-            pwrite_all(job.fd, view, offset, job.tmp)
-            return Then(functools.partial(digest, view), self._hashes)  # the worker takes the next request first
+        def write_chunk(lease: _Lease, offset: int, n: int) -> Then:
+            try:
+                lease.item[1].synchronize()  # the copy into the buffer has finished
+                view = lease.item[0].memory()[:n]
+                pwrite_all(job.fd, view, offset, job.tmp)
+            except BaseException:
+                lease.give_back()
+                raise
+            return Then(functools.partial(hash_chunk, lease, view), self._hashes)  # the worker takes the next request
+
+        def hash_chunk(lease: _Lease, view: memoryview) -> int:
+            try:
+                return digest(view)
+            finally:
+                lease.give_back()  # before the future completes: whoever waited for the chunk finds its buffer back
 
         for off, n in pieces:
-            item = self.staging.acquire(size)
-            queued = len(job.chunks)
+            queued, held = len(job.chunks), []
             try:
+                self.staging.acquire(size, into=held)
+                lease = _Lease(self.staging, held[0])
+                buffer = lease.item[0]
                 with streams.timed("transfer"):
-                    copy_range(item[0].tensor, entry.layout, k, v, off, off + n, non_blocking=item[0].pinned)
-                item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
-                self._chunks.submit(functools.partial(write_chunk, item[0], base + off, n, item[1]),
-                                    f"the write of {entry.path}", into=job.chunks,
-                                    done=functools.partial(self._chunk_done, item))
+                    copy_range(buffer.tensor, entry.layout, k, v, off, off + n, non_blocking=buffer.pinned)
+                lease.item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
+                self._chunks.submit(functools.partial(write_chunk, lease, base + off, n), f"the write of {entry.path}",
+                                    into=job.chunks, done=lease.give_back)
             except BaseException:
-                if len(job.chunks) == queued:  # not handed to a request: still this loop's to give back
-                    self.staging.release(item, item[1])
+                if held and len(job.chunks) == queued:  # not handed to a request: still ours to give back
+                    self.staging.release(held[0], held[0][1])
                 raise
-
-    def _chunk_done(self, item: list, future: cf.Future) -> None:
-        """A chunk's request finished, failed or was cancelled: nothing uses its buffer any more."""
-        self.staging.release(item, item[1])
 
     def _cancelled_write(self, job: "_Write", future: cf.Future) -> None:
         if future.cancelled():  # by close(): the finish never ran, so its cleanup happens here
@@ -194,9 +216,11 @@ class Writer:
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
-                # A request may still be inside pwrite: its descriptor is never closed (no later request may
-                # write through a recycled descriptor number into another file), its buffer never given back.
+                # A request may still be inside pwrite: its buffer is not given back and its descriptor not
+                # closed while it is (no later request may write through a recycled descriptor number into
+                # another file). If it ever returns, the descriptor and the temp file go then.
                 self._stuck.append(f"the write of {entry.path}")
+                when_done(job.chunks, functools.partial(self._release_write, job))
             elif fd_open:
                 when_done(job.chunks, functools.partial(self._release_write, job))
             if isinstance(exc, (KVWriteError, IOStuckError)) and self.failed is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from typing import List
+from typing import List, Optional
 
 from ..devices import DONE, Fence
 from ..hostmem import HostAllocator, HostBuffer
@@ -29,8 +29,11 @@ class StagingPool:
         for item in self._all:
             self._free.put(item)
 
-    def acquire(self, nbytes: int) -> list:
-        """[buffer, fence] with a buffer of at least `nbytes`; waits (bounded) for one to come free."""
+    def acquire(self, nbytes: int, into: Optional[list] = None) -> list:
+        """[buffer, fence] with a buffer of at least `nbytes`; waits (bounded) for one to come free.
+
+        With `into`, the place is also appended to it before returning, so a caller interrupted just after the
+        call still finds what it holds, and gives it back."""
         try:
             item = self._free.get(timeout=io_timeout())
         except queue.Empty:
@@ -46,6 +49,8 @@ class StagingPool:
         except BaseException:
             self._free.put(item)  # a failed allocation must not shrink the pool (the next acquire would hang)
             raise
+        if into is not None:
+            into.append(item)
         return item
 
     def release(self, item: list, fence: Fence = DONE) -> None:
@@ -61,19 +66,25 @@ class StagingPool:
         self._free.put(fresh)
 
     def trim(self) -> None:
-        """Frees the buffers of every idle place (call only when no job holds one of this pool's buffers)."""
+        """Frees the buffers of every idle place; the places stay, empty. Buffers in use are not touched.
+
+        Every place taken is put back, also when interrupted (Ctrl-C) or when a free fails: a lost place would
+        make every later `acquire` wait for a buffer that never comes."""
         idle = []
-        while True:
-            try:
-                idle.append(self._free.get_nowait())
-            except queue.Empty:
-                break
-        for item in idle:
-            item[1].synchronize()
-            if item[0] is not None:
-                self._allocator.free(item[0])
-            item[0], item[1] = None, DONE
-            self._free.put(item)
+        try:
+            while True:
+                try:
+                    idle.append(self._free.get_nowait())
+                except queue.Empty:
+                    break
+            for item in idle:
+                item[1].synchronize()
+                if item[0] is not None:
+                    buffer, item[0], item[1] = item[0], None, DONE
+                    self._allocator.free(buffer)
+        finally:
+            for item in idle:
+                self._free.put(item)
 
     def buffers(self) -> List[HostBuffer]:
         return [item[0] for item in self._all if item[0] is not None]

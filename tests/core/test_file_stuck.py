@@ -138,6 +138,8 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
 
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
     store.put(0, *data[0])
+    store.flush()
+    descriptors = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "pwrite", pwrite)
     try:
         store.put(1, *data[1])
@@ -157,6 +159,8 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
         assert time.monotonic() - start < 8
         assert "stuck in the kernel" in caplog.text and "layer-00001" in caplog.text
         assert os.listdir(tmp_path) == []
+        release.set()  # the request returns after all: its descriptor goes then
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) <= descriptors - 1)  # the directory lock is gone too
     finally:
         release.set()
 
@@ -213,7 +217,8 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
-@pytest.mark.parametrize("where", ["waiting for a staging buffer", "copying a chunk", "just after queueing a chunk"])
+@pytest.mark.parametrize("where", ["waiting for a staging buffer", "just after taking a staging buffer",
+                                   "copying a chunk", "just after queueing a chunk"])
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch, wait_until):
     # A put copies a layer chunk by chunk through a ring of staging buffers, queueing each chunk's write as soon
@@ -239,6 +244,16 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
                 if len(calls) == at + 1:
                     raise KeyboardInterrupt
                 return real_acquire(*args, **kwargs)
+            monkeypatch.setattr(tier._writer.staging, "acquire", acquire)
+        elif where == "just after taking a staging buffer":  # the interrupt lands as the call returns
+            real_acquire = tier._writer.staging.acquire
+
+            def acquire(*args, **kwargs):
+                item = real_acquire(*args, **kwargs)
+                calls.append(1)
+                if len(calls) == at + 1:
+                    raise KeyboardInterrupt
+                return item
             monkeypatch.setattr(tier._writer.staging, "acquire", acquire)
         elif where == "copying a chunk":
             real_copy = file_tier.copy_range
@@ -276,6 +291,57 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
         store.close()
     assert len(os.listdir("/proc/self/fd")) == before
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_while_the_write_staging_is_freed_loses_no_buffer_place(mode, tmp_path, monkeypatch):
+    # park() frees the write ring on the consumer's thread, where Ctrl-C lands: every place comes back (empty
+    # or not), else every later put would wait for a buffer that never comes.
+    from offload_core import hostmem
+
+    data = layers(3)
+    store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
+    for key in range(2):
+        store.put(key, *data[key])
+    writer = store._tiers["file"]._writer
+    real_free = hostmem.HostAllocator.free
+
+    def free(self, buffer):
+        monkeypatch.setattr(hostmem.HostAllocator, "free", real_free)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hostmem.HostAllocator, "free", free)
+    with pytest.raises(KeyboardInterrupt):
+        store.park()
+    assert writer.staging._free.qsize() == len(writer.staging._all)
+    assert len({id(item) for item in list(writer.staging._free.queue)}) == len(writer.staging._all)
+    assert not store.sealed  # the park did not happen: the store is as it was
+    store.put(2, *data[2])  # would wait for a buffer for ever (the bound) if a place were lost
+    store.park()
+    for key in range(3):
+        assert torch.equal(store.get(key)[0], data[key][0])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_ctrl_c_while_a_layer_file_is_allocated_leaves_no_descriptor_or_temp_file(tmp_path, monkeypatch):
+    data = layers(2)
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    store.put(0, *data[0])
+    store.flush()
+    before = len(os.listdir("/proc/self/fd"))
+
+    def fallocate(fd, offset, length):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(KeyboardInterrupt):
+        store.put(1, *data[1])
+    monkeypatch.undo()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert [n for n in os.listdir(store.stats()["file_dir"]) if not n.startswith(".")] == ["layer-00000.safetensors"]
+    store.put(1, *data[1])
+    assert torch.equal(store.get(1)[0], data[1][0])
+    store.close()
 
 
 def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_until):

@@ -252,8 +252,9 @@ def test_admission_waits_for_the_file_writes_and_counts_what_is_on_disk(mode, tm
 
 
 def test_a_store_whose_file_write_failed_is_not_kept(tmp_path, failing_writes, caplog):
+    # The last layer fails, so no later put can see it first: the background write's error surfaces at admit.
     store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
-    heal = failing_writes("layer-00001")
+    heal = failing_writes(f"layer-{LAYERS - 1:05d}")
     for i in range(LAYERS):
         store.put(i, torch.full((1, 16, 2, 8), float(i)), torch.zeros(1, 16, 2, 8))
     registry = PrefixRegistry({"device": 1 << 30, "host": 1 << 30, "file": 1 << 30})
