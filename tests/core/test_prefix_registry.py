@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
-from offload_core import reuse
+from offload_core import prefix, reuse
 from offload_core.reuse import PrefixKey, PrefixRegistry, model_fingerprint, parse_budget
 
 TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
@@ -77,7 +77,7 @@ def test_every_key_component_is_compared(tmp_path):
 
 def test_a_digest_collision_is_still_a_miss(tmp_path, monkeypatch):
     """Keys are compared in full on a hit: equal digests with different content never share an entry."""
-    monkeypatch.setattr(reuse, "_digest", lambda t: torch.zeros(3))
+    monkeypatch.setattr(prefix, "_digest", lambda t: torch.zeros(3))
     registry = PrefixRegistry({"host": 1 << 30})
     a, b = torch.zeros(1, 4), torch.ones(1, 4)
     assert key(a).digest == key(b).digest
