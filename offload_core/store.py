@@ -32,7 +32,7 @@ from .hostmem import HostAllocator, pin_room
 from .layout import LayerLayout, layout_for, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
-from .ring import Layers, SlotRing
+from .ring import Layers, Slot, SlotRing
 from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
@@ -292,7 +292,7 @@ class KVStore:
             self._ring.release_current()  # an offloaded tier reloads the layer clean next time
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
-    def _decode(self, key: Hashable, slot) -> None:
+    def _decode(self, key: Hashable, slot: Slot) -> None:
         # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
         # next load waits for the release fence recorded after this decode and the kernels reading its output.
         kept = self._kept[key]
@@ -342,10 +342,11 @@ class KVStore:
         with self._busy:
             if self.closed or self._streams is None:
                 return
-            files = self._tiers.get(FILE)
-            if files is not None and not self.sealed:
-                files.settle_writes()  # the layers are whole on disk (and counted), the write staging freed
+            if not self.sealed:
+                for tier in list(self._tiers.values()):
+                    tier.seal()  # every layer in place (on disk, and counted there), the write staging freed
             self.sealed = True
+            files = self._tiers.get(FILE)
             self._served = None
             # Host slots the file tier made go back to the OS; device slots to the caching allocator.
             self._ring.empty(files.release_slot if files is not None else lambda buffer: None)

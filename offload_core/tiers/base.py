@@ -128,6 +128,10 @@ class Tier:
     def flush(self) -> None:
         """Waits (bounded) until every layer stored so far is in place; raises the first error storing one."""
 
+    def seal(self) -> None:
+        """No more layers come: `flush`, then free what only storing needed (a file tier's write staging)."""
+        self.flush()
+
     def nbytes(self) -> Dict[str, int]:
         raise NotImplementedError
 

@@ -128,8 +128,8 @@ class FileTier(Tier):
         if first is not None:
             raise first
 
-    def settle_writes(self) -> None:
-        """`flush`, then frees the write staging at once (between requests: the store takes no more puts)."""
+    def seal(self) -> None:
+        """`flush`, then frees the write staging at once (the store takes no more puts)."""
         self.flush()
         self._writer.trim_if_idle(wait=True)
 

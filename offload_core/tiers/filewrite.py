@@ -218,10 +218,9 @@ class Writer:
             if isinstance(exc, IOStuckError):
                 # A request may still be inside pwrite: its buffer is not given back and its descriptor not
                 # closed while it is (no later request may write through a recycled descriptor number into
-                # another file). If it ever returns, the descriptor and the temp file go then.
+                # another file). If it ever returns, the descriptor and the temp file go then, as below.
                 self._stuck.append(f"the write of {entry.path}")
-                when_done(job.chunks, functools.partial(self._release_write, job))
-            elif fd_open:
+            if fd_open:  # once none of the chunk requests runs any more
                 when_done(job.chunks, functools.partial(self._release_write, job))
             if isinstance(exc, (KVWriteError, IOStuckError)) and self.failed is None:
                 self.failed = exc
