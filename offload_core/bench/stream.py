@@ -32,6 +32,7 @@ from . import rawio
 
 GiB = float(1 << 30)
 TIERS = ["ram_sync", "ram_async", "file_sync", "file_async"]
+NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,15 +147,31 @@ def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) ->
         store.close()
 
 
-def _tier_round(mode: str, args, device, directory: str, k, v, total: int, sweep) -> Dict[str, object]:
-    """One tier's figures in one round; a file tier's come with a raw pass at the sweep's best depths just
-    before them (`paired_raw_*`), so each round also gives a ratio measured seconds apart."""
-    paired = {}
-    if mode.startswith("file"):
-        wd, rd = (max(sweep[f"{kind}_gib_s"], key=sweep[f"{kind}_gib_s"].get) for kind in ("write", "read"))
-        raw = rawio.file_limits(directory, total, fileio.CHUNK, sorted({wd, rd}))
-        paired = {"paired_raw_write_gib_s": raw["write_gib_s"][wd], "paired_raw_read_gib_s": raw["read_gib_s"][rd]}
-    return {**measure_tier(mode, args, device, directory, k, v), **paired}
+def _raw_pass(directory: str, total: int, sweep) -> Dict[str, float]:
+    """One raw write and read pass at the depths this round's sweep found best."""
+    wd, rd = (max(sweep[f"{kind}_gib_s"], key=sweep[f"{kind}_gib_s"].get) for kind in ("write", "read"))
+    raw = rawio.file_limits(directory, total, fileio.CHUNK, sorted({wd, rd}))
+    return {"write": raw["write_gib_s"][wd], "read": raw["read_gib_s"][rd]}
+
+
+def _round(modes: List[str], args, device, directory: str, k, v, total: int, sweep) -> tuple:
+    """One round of tiers, in the order given; every file tier is bracketed by raw passes at the sweep's best
+    depths, one just before it and one just after (shared with the next file tier), so each gets a limit
+    measured seconds around it (`paired_raw_*`: the mean of the two), and a drift of the disk during the round
+    cancels instead of favouring whichever of raw and tier runs later. Returns (rows by tier, raw passes)."""
+    rows, passes = {}, []
+    for mode in modes:
+        if not mode.startswith("file"):
+            rows[mode] = measure_tier(mode, args, device, directory, k, v)
+            continue
+        if not passes:
+            passes.append(_raw_pass(directory, total, sweep))
+        row = measure_tier(mode, args, device, directory, k, v)
+        passes.append(_raw_pass(directory, total, sweep))
+        before, after = passes[-2:]
+        row.update({f"paired_raw_{kind}_gib_s": (before[kind] + after[kind]) / 2 for kind in ("write", "read")})
+        rows[mode] = row
+    return rows, passes
 
 
 def run(args) -> Dict[str, object]:
@@ -164,15 +181,19 @@ def run(args) -> Dict[str, object]:
     base = args.dir or tempfile.gettempdir()
     directory = tempfile.mkdtemp(prefix=".kv_offload-stream-", dir=base)
     k, v = _layer(layer_bytes, device)
+    modes = args.tiers.split(",")
     rounds = []
     try:
-        for _ in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
+        for index in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
             limits = {"file": rawio.file_limits(directory, total, fileio.CHUNK, args.depths),
                       "ram_gib_s": rawio.ram_limit(layer_bytes)}
             if device.type == "cuda":
                 limits["cuda"] = rawio.cuda_limits(layer_bytes, device)
-            rounds.append((limits, [_tier_round(mode, args, device, directory, k, v, total, limits["file"])
-                                    for mode in args.tiers.split(",")]))
+            # Every other round in reverse, so no tier always runs right after the same thing (the sweep, or
+            # another tier's deleted files).
+            order = modes if index % 2 == 0 else modes[::-1]
+            rows, limits["file"]["passes"] = _round(order, args, device, directory, k, v, total, limits["file"])
+            rounds.append((limits, [rows[mode] for mode in modes]))
     finally:
         fileowner.remove_tree(directory)
     limits, rows = _combine(rounds)
@@ -204,7 +225,7 @@ def _combine(rounds):
     """Every figure as its median over the interleaved rounds, raw limits and tiers alike.
 
     The raw file limit (`limit_*_gib_s`) is the best queue depth measured again: the median of the raw passes
-    run beside each file tier, each at the depth its round's sweep found best. Not the sweep's best median
+    that bracket the file tiers, each at the depth its round's sweep found best. Not the sweep's best median
     itself: picking the largest of several near-equal noisy medians and reading off that same sample
     overstates the disk (the winner's curse) by about its spread; a depth that is really better still wins
     the sweep, and its fresh passes still show it. Medians, since a best-of figure grows with the number of
@@ -218,10 +239,12 @@ def _combine(rounds):
         best_file[f"best_{kind}_depth"] = max(per_depth, key=per_depth.get)
         best_file[f"best_{kind}_gib_s"] = max(per_depth.values())
         best_file[f"max_{kind}_gib_s"] = max(max(f[f"{kind}_gib_s"].values()) for f in files)  # any depth, any round
+    passes = [p for f in files for p in f.get("passes", [])]
     for kind in ("write", "read"):
-        again = [row[f"paired_raw_{kind}_gib_s"] for r in rounds for row in r[1] if f"paired_raw_{kind}_gib_s" in row]
+        again = [p[kind] for p in passes]
         best_file[f"limit_{kind}_gib_s"] = statistics.median(again) if again else best_file[f"best_{kind}_gib_s"]
-        best_file["limit_passes"] = len(again)
+        best_file[f"limit_{kind}_range"] = [min(again), max(again)] if again else None  # how much the disk moved
+    best_file["limit_passes"] = len(passes)
     limits["file"] = best_file
     limits["ram_gib_s"] = statistics.median([r[0]["ram_gib_s"] for r in rounds])
     if "cuda" in limits:
@@ -240,8 +263,10 @@ def _combine(rounds):
             for key in ("compute_ms_per_layer", "loop_s", "exposed_s", "store_exposed_wait_s", "hidden"):
                 row[key] = median[key]
         if "paired_raw_write_gib_s" in row:  # the median of the per-round ratios, each against its adjacent raw pass
-            row["put_vs_paired"] = statistics.median([x["put_gib_s"] / x["paired_raw_write_gib_s"] for x in runs])
-            row["get_vs_paired"] = statistics.median([x["get_gib_s"] / x["paired_raw_read_gib_s"] for x in runs])
+            for what, kind in (("put", "write"), ("get", "read")):
+                ratios = [x[f"{what}_gib_s"] / x[f"paired_raw_{kind}_gib_s"] for x in runs]
+                row[f"{what}_vs_paired"] = statistics.median(ratios)
+                row[f"{what}_vs_paired_range"] = [min(ratios), max(ratios)]
         row["exact"] = all(x["exact"] for x in runs)
         row["rounds"] = runs
         rows.append(row)
@@ -252,6 +277,10 @@ def _io_depth() -> int:
     from ..tiers.file import IO_DEPTH
 
     return IO_DEPTH
+
+
+def _span(pair, spec=".2f") -> str:
+    return "" if not pair else f" ({format(pair[0], spec)}-{format(pair[1], spec)})"
 
 
 def _fmt(x, spec=".2f") -> str:
@@ -268,8 +297,9 @@ def table(result: Dict[str, object]) -> str:
         f"raw files ({'O_DIRECT' if f['o_direct'] else 'buffered, pages dropped'}, {f['chunk_bytes'] >> 20} MiB "
         f"requests) write/read GiB/s: {raw}; best write {f['best_write_gib_s']:.2f} (qd{f['best_write_depth']}), "
         f"best read {f['best_read_gib_s']:.2f} (qd{f['best_read_depth']})",
-        f"raw file limit: write {f['limit_write_gib_s']:.2f}, read {f['limit_read_gib_s']:.2f} GiB/s (the best depth "
-        f"measured again: median of the {f['limit_passes']} raw passes beside the file tiers)",
+        f"raw file limit: write {f['limit_write_gib_s']:.2f}{_span(f['limit_write_range'])}, read "
+        f"{f['limit_read_gib_s']:.2f}{_span(f['limit_read_range'])} GiB/s (the best depth measured again: median of "
+        f"the {f['limit_passes']} raw passes around the file tiers; lowest-highest pass in brackets)",
         f"raw RAM memcpy {result['limits']['ram_gib_s']:.2f} GiB/s" + (
             "; pinned H2D {h2d_gib_s:.2f} / D2H {d2h_gib_s:.2f} GiB/s".format(**result["limits"]["cuda"])
             if "cuda" in result["limits"] else ""),
@@ -291,9 +321,16 @@ def table(result: Dict[str, object]) -> str:
             f"| {_fmt(r.get('hidden'), '6.0%')} | {str(r['exact']):<5} |")
     strict = [r for r in result["rows"] if "best_put_vs_max_raw" in r]
     if strict:
-        lines += ["", "paired (against the raw pass just before each tier, in every round; median of the per-round "
-                      "ratios): " + "; ".join(
-                          f"{r['tier']} put {r['put_vs_paired']:.0%}, get {r['get_vs_paired']:.0%}" for r in strict)]
+        lines += ["", "paired (each tier against the mean of the raw passes just before and after it, in every round; "
+                      "median of the per-round ratios, lowest-highest round in brackets): " + "; ".join(
+                          f"{r['tier']} put {r['put_vs_paired']:.0%}{_span(r['put_vs_paired_range'], '.0%')}, "
+                          f"get {r['get_vs_paired']:.0%}{_span(r['get_vs_paired_range'], '.0%')}" for r in strict)]
+        moved = [kind for kind in ("write", "read") if f[f"limit_{kind}_range"]
+                 and f[f"limit_{kind}_range"][1] > NOISY * f[f"limit_{kind}_range"][0]]
+        if moved:
+            lines += ["", f"note: the disk's raw {' and '.join(moved)} throughput moved by more than "
+                          f"{NOISY - 1:.0%} from pass to pass in this run (brackets above): a ratio nearer a target "
+                          "than that is not settled by one run of this length; more --rounds narrow the medians."]
         lines += ["", f"best round against the best raw sample of any depth and round (raw write {f['max_write_gib_s']:.2f}, "
                       f"read {f['max_read_gib_s']:.2f} GiB/s): " + "; ".join(
                           f"{r['tier']} put {r['best_put_vs_max_raw']:.0%}, get {r['best_get_vs_max_raw']:.0%}" for r in strict)]

@@ -28,7 +28,7 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
         assert rows[tier]["get_vs_paired"] > 0 and rows[tier]["put_vs_paired"] > 0
         assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[tier]["rounds"])
     assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
-    assert limits["limit_passes"] == 2 * result["rounds"]  # a raw pass beside each file tier in every round
+    assert limits["limit_passes"] == 3 * result["rounds"]  # raw passes around the two file tiers in every round
     assert "get / raw read" in printed and "raw file limit" in printed and "file_async" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
 
@@ -66,8 +66,9 @@ def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, 
 
 
 def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept():
-    def raw(w, r):
-        return {"file": {"write_gib_s": {1: w, 4: w + 0.5}, "read_gib_s": {1: r, 4: r - 0.5}}, "ram_gib_s": w}
+    def raw(w, r, passes):
+        return {"file": {"write_gib_s": {1: w, 4: w + 0.5}, "read_gib_s": {1: r, 4: r - 0.5},
+                         "passes": [{"write": pw, "read": pr} for pw, pr in passes]}, "ram_gib_s": w}
 
     def tier(put, get):
         return [{"tier": "file_async", "put_gib_s": put, "get_gib_s": get, "read_ms_per_layer": 1.0, "hidden": get / 10,
@@ -75,7 +76,9 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
                  "exact": True}]
 
     # A disk that was fast in one round only: the medians ignore the outlier, the best-of figures keep it.
-    rounds = [(raw(1.0, 2.0), tier(0.9, 1.8)), (raw(9.0, 9.0), tier(1.1, 1.9)), (raw(1.2, 2.2), tier(1.0, 2.0))]
+    rounds = [(raw(1.0, 2.0, [(1.0, 2.0), (1.1, 2.1)]), tier(0.9, 1.8)),
+              (raw(9.0, 9.0, [(2.2, 1.9), (0.8, 3.0)]), tier(1.1, 1.9)),
+              (raw(1.2, 2.2, [(0.9, 4.0), (1.0, 1.5)]), tier(1.0, 2.0))]
     for (_, (row,)), (w, r) in zip(rounds, [(1.0, 2.0), (2.2, 1.9), (1.0, 4.0)]):
         row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
     limits, rows = stream._combine(rounds)
@@ -83,10 +86,64 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
     assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
     assert f["max_write_gib_s"] == 9.5 and f["max_read_gib_s"] == 9.0 and len(limits["rounds"]) == 3
-    # The limit the ratios use: the best depth measured again, in the passes beside the tier (not the sweep's
-    # best median, which is read off the same samples that picked it).
-    assert (f["limit_write_gib_s"], f["limit_read_gib_s"], f["limit_passes"]) == (1.0, 2.0, 3)
+    # The limit the ratios use: the best depth measured again, in the passes around the tiers (not the sweep's
+    # best median, which is read off the same samples that picked it), with how far those passes spread.
+    assert (f["limit_write_gib_s"], f["limit_read_gib_s"], f["limit_passes"]) == (1.0, 2.05, 6)
+    assert f["limit_write_range"] == [0.8, 2.2] and f["limit_read_range"] == [1.5, 4.0]
     row = rows[0]
     assert (row["put_gib_s"], row["get_gib_s"], row["best_put_gib_s"], row["best_get_gib_s"]) == (1.0, 1.9, 1.1, 2.0)
     assert row["hidden"] == 0.19 and len(row["rounds"]) == 3
     assert row["put_vs_paired"] == 0.9 and row["get_vs_paired"] == 0.9
+    assert row["put_vs_paired_range"] == pytest.approx([0.5, 1.0]) and row["get_vs_paired_range"] == [0.5, 1.0]
+
+
+def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_backwards(monkeypatch):
+    """A disk that speeds up during a round: each tier's paired limit is the mean of the passes around it."""
+    calls, speed = [], iter(range(1, 100))
+
+    def raw_pass(directory, total, sweep):
+        calls.append("raw")
+        x = float(next(speed))
+        return {"write": x, "read": 2 * x}
+
+    def tier(mode, *args):
+        calls.append(mode)
+        return {"tier": mode}
+
+    monkeypatch.setattr(stream, "_raw_pass", raw_pass)
+    monkeypatch.setattr(stream, "measure_tier", tier)
+    rows, passes = stream._round(["ram_sync", "file_sync", "file_async"], None, None, "", None, None, 0, {})
+    assert calls == ["ram_sync", "raw", "file_sync", "raw", "file_async", "raw"]  # one pass shared between tiers
+    assert passes == [{"write": 1.0, "read": 2.0}, {"write": 2.0, "read": 4.0}, {"write": 3.0, "read": 6.0}]
+    assert rows["file_sync"]["paired_raw_write_gib_s"] == 1.5 and rows["file_async"]["paired_raw_read_gib_s"] == 5.0
+    assert "paired_raw_write_gib_s" not in rows["ram_sync"]
+
+    calls.clear()
+    monkeypatch.setattr(stream.rawio, "file_limits", lambda *a: {"write_gib_s": {1: 1.0}, "read_gib_s": {1: 1.0}})
+    monkeypatch.setattr(stream.rawio, "ram_limit", lambda n: 1.0)
+    monkeypatch.setattr(stream, "_combine", lambda rounds: ({"file": {}}, []))
+    args = stream.build_parser().parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2",
+                                             "--tiers", "file_sync,file_async", "--device", "cpu"])
+    stream.run(args)
+    assert calls == ["raw", "file_sync", "raw", "file_async", "raw", "raw", "file_async", "raw", "file_sync", "raw"]
+
+
+def _result(write_range, read_range):
+    file = {"write_gib_s": {4: 1.0}, "read_gib_s": {4: 1.0}, "o_direct": True, "chunk_bytes": 8 << 20,
+            "best_write_gib_s": 1.0, "best_read_gib_s": 1.0, "best_write_depth": 4, "best_read_depth": 4,
+            "limit_write_gib_s": 1.0, "limit_read_gib_s": 1.0, "limit_write_range": write_range,
+            "limit_read_range": read_range, "limit_passes": 3, "max_write_gib_s": 1.0, "max_read_gib_s": 1.0}
+    row = {"tier": "file_sync", "put_gib_s": 0.9, "get_gib_s": 0.95, "put_vs_raw": 0.9, "get_vs_raw": 0.95,
+           "read_ms_per_layer": 1.0, "exact": True, "put_vs_paired": 0.91, "get_vs_paired": 0.96,
+           "put_vs_paired_range": [0.85, 0.97], "get_vs_paired_range": [0.9, 1.0],
+           "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95}
+    return {"device": "cpu", "cache_bytes": 1 << 30, "layer_bytes": 64 << 20, "directory": "/d",
+            "filesystem_in_ram": None, "io_depth": 4, "prefetch_depth": 2, "compute_ratio": 1.5, "rounds": 3,
+            "limits": {"file": file, "ram_gib_s": 10.0}, "rows": [row]}
+
+
+def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
+    steady = stream.table(_result([0.95, 1.05], [0.9, 1.05]))
+    assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
+    noisy = stream.table(_result([0.9, 1.05], [0.7, 1.2]))
+    assert "note: the disk's raw read throughput moved by more than 20%" in noisy
