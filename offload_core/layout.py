@@ -8,6 +8,7 @@ padding entries keep the file fully indexed, as safetensors readers require.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 from dataclasses import dataclass
@@ -101,11 +102,23 @@ def copy_range(dst: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch
             pos = lo - start
             for run in _runs(t, (lo - spec.offset) // size, (hi - spec.offset) // size):
                 n = run.numel() * size
-                dst[pos:pos + n].view(t.dtype).view(run.shape).copy_(run, non_blocking=non_blocking)
+                _copy_run(dst[pos:pos + n], run, non_blocking)
                 pos += n
             at = hi
     if end > at:
         dst[at - start:end - start].zero_()
+
+
+def _copy_run(dst: torch.Tensor, run: torch.Tensor, non_blocking: bool) -> None:
+    """`dst` (bytes) <- `run`. Host to host, a contiguous tensor goes as one memmove on this thread, with the
+    GIL released (not a negated view, whose bytes are not its values): torch splits a large copy over every
+    core and waits for the slowest part, so beside busy I/O and hash threads it slows to a third (measured on
+    2 cores, 32 MiB: 11.8 GiB/s idle, 3.7 GiB/s with the other core busy; one memmove 5.7 GiB/s either way)."""
+    if dst.device.type == "cpu" and run.device.type == "cpu" and run.is_contiguous() and not run.is_neg():
+        if dst.numel():
+            ctypes.memmove(dst.data_ptr(), run.data_ptr(), dst.numel())
+        return
+    dst.view(run.dtype).view(run.shape).copy_(run, non_blocking=non_blocking)
 
 
 def _runs(t: torch.Tensor, a: int, b: int) -> List[torch.Tensor]:

@@ -42,3 +42,18 @@ def test_chunks_put_together_equal_the_whole_layer_and_zero_the_padding(dtype, c
         copy_range(buffer, layout, k, v, off, end)
         out[off:end] = buffer[:end - off]
     assert torch.equal(out, whole)  # padding included: zeros, whatever the buffer held
+
+
+@pytest.mark.parametrize("make", [lambda x: x, torch._neg_view], ids=["plain", "negated view"])
+def test_a_contiguous_host_range_is_copied_as_its_values(make):
+    """Contiguous host K/V take the one-memmove path; a negated view (contiguous, but its bytes are not its
+    values) must still come out negated."""
+    k, v = make(torch.randn(64, 33)), make(torch.randn(2, 1000))
+    assert k.is_contiguous() and v.is_contiguous()
+    layout = layout_for(k, v)
+    out = torch.full((layout.data_bytes,), 0xAB, dtype=torch.uint8)
+    for off in range(0, layout.data_bytes, 5000):
+        copy_range(out[off:], layout, k, v, off, min(off + 5000, layout.data_bytes))
+    expected = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+    copy_in(expected, layout, k.resolve_neg(), v.resolve_neg())
+    assert torch.equal(out, expected)
