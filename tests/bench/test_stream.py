@@ -147,3 +147,22 @@ def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
     noisy = stream.table(_result([0.9, 1.05], [0.7, 1.2]))
     assert "note: the disk's raw read throughput moved by more than 20%" in noisy
+
+
+def test_the_hiding_loop_is_measured_in_its_steady_state(tmp_path, monkeypatch):
+    """One compute comes before the timed loop with compute, after the plain get passes (as the previous step's
+    last layer in a real loop), so the first layers' prefetch has something to hide behind."""
+    events = []
+    real_pass = stream._pass
+
+    def recording_pass(store, layers, device, compute=None):
+        events.append("timed loop with compute" if compute is not None else "get pass")
+        return real_pass(store, layers, device, compute)
+
+    monkeypatch.setattr(stream, "_pass", recording_pass)
+    monkeypatch.setattr(stream._Compute, "__call__", lambda self: events.append("compute"))
+    args = stream.build_parser().parse_args(["--cache-mib", "8", "--layer-mib", "4"])
+    k, v = stream._layer(4 << 20, torch.device("cpu"))
+    stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
+    assert events[:3] == ["get pass", "get pass", "compute"]
+    assert events[3] == "timed loop with compute"
