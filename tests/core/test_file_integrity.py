@@ -192,3 +192,81 @@ def test_an_empty_layer_still_has_its_header_checked(mode, tmp_path):
     with pytest.raises(KVFileError, match="header differs"):
         store.get(0)
     store.close()
+
+
+def _split_store(mode, directory, monkeypatch):
+    """Layers of 8 chunks of 64 KiB: the last 4 (one per I/O thread) are read as 4 requests of 16 KiB each."""
+    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
+    return filled_store(mode, directory, n=3, shape=(1, 4, 256, 64))  # 256 KiB per tensor
+
+
+def test_the_last_wave_of_a_read_goes_in_parts(tmp_path, monkeypatch):
+    """file_sync (no prefetch, so every request of a get is seen): 4 whole chunks, the first with the header,
+    then each of the last 4 chunks as 4 requests, in order, covering them exactly."""
+    from offload_core.tiers import file, fileread
+
+    assert file.IO_DEPTH == 4 and fileread.TAIL_PARTS == 4
+    store, layers = _split_store("file_sync", tmp_path, monkeypatch)
+    requests = []
+    real = fileread.pread_exact
+
+    def recording(fd, view, offset, path, head=None):
+        requests.append((offset, len(view), head is not None))
+        real(fd, view, offset, path, head=head)
+
+    monkeypatch.setattr(fileread, "pread_exact", recording)
+    k, v = store.get(1)
+    assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
+    whole = sorted(r for r in requests if r[1] == 64 << 10)
+    parts = sorted(r for r in requests if r[1] == 16 << 10)
+    assert len(requests) == 20 and len(whole) == 4 and len(parts) == 16, requests
+    assert sorted(whole)[0][2] and not any(r[2] for r in whole[1:] + parts)  # the header comes with chunk 0
+    start = whole[-1][0] + (64 << 10)
+    assert [r[0] for r in parts] == [start + i * (16 << 10) for i in range(16)]  # the last 4 chunks, all of them
+    store.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_flip_in_any_part_is_caught_by_its_chunk_checksum(mode, tmp_path, monkeypatch):
+    store, layers = _split_store(mode, tmp_path, monkeypatch)
+    path = layer_path(store, 2)
+    header = os.path.getsize(path) - (512 << 10)
+    for offset in (header + (7 << 16) + 5, header + (7 << 16) + (3 << 14) + 9):  # chunk 7: its first and last part
+        rewrite(path, offset, lambda b: bytes([b[0] ^ 0x01]) + b[1:])
+        with pytest.raises(KVFileError, match="checksum"):
+            for key in (0, 1, 2):
+                store.get(key)
+        rewrite(path, offset, lambda b: bytes([b[0] ^ 0x01]) + b[1:])  # repaired: the next read is clean again
+        k, v = store.get(2)
+        assert torch.equal(k, layers[2][0]) and torch.equal(v, layers[2][1])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_failed_part_fails_the_read_and_close_returns(mode, tmp_path, monkeypatch):
+    import errno
+
+    from offload_core.tiers import fileread
+
+    store, layers = _split_store(mode, tmp_path, monkeypatch)
+    real = fileio.os.preadv
+    target = layer_path(store, 2)
+    fds = set()
+
+    def failing(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}") == target and sum(len(b) for b in buffers) == 16 << 10:
+            fds.add(fd)
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(fileio.os, "preadv", failing)
+    with pytest.raises(KVFileError, match=r"layer-00002.*EIO"):
+        for key in (1, 2):
+            store.get(key)
+    assert fds, "a part request of layer 2 was made"
+    monkeypatch.setattr(fileio.os, "preadv", real)
+    k, v = store.get(2)  # the file is fine: read again, all of it
+    assert torch.equal(k, layers[2][0]) and torch.equal(v, layers[2][1])
+    store.close()
+    assert os.listdir(tmp_path) == [] and fileread.TAIL_PARTS == 4
