@@ -372,3 +372,40 @@ def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_un
         gate.set()
         io.shutdown(5)
         hashes.shutdown(5)
+
+
+@pytest.mark.parametrize("at", [1, 3, 5, 9, 19])  # whole chunks (1, 3), parts of the last wave (5, 9, 19)
+def test_ctrl_c_between_the_requests_of_a_read_loses_nothing(at, tmp_path, monkeypatch, wait_until):
+    """Ctrl-C as a read queues its requests (8 chunks of 64 KiB: 4 whole, then 4 x 4 parts): the requests
+    already queued finish, then their descriptor and buffer go; the next get reads the layer whole and right."""
+    from offload_core.tiers import fileio
+
+    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
+    data = layers(2, shape=(1, 4, 256, 64))  # 512 KiB a layer: 8 chunks
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    for key, (k, v) in data.items():
+        store.put(key, k, v)
+    store.get(0)
+    store.flush()
+    tier = store._tiers["file"]
+    fds = len(os.listdir("/proc/self/fd"))
+    real, calls = iopool.IOPool.submit, []
+
+    def submit(pool, fn, what, into=None, done=None):
+        if pool is tier._chunks and what.startswith("the read of"):
+            calls.append(what)
+            if len(calls) == at:
+                raise KeyboardInterrupt
+        return real(pool, fn, what, into=into, done=done)
+
+    monkeypatch.setattr(iopool.IOPool, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        store.get(1)
+    monkeypatch.setattr(iopool.IOPool, "submit", real)
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)  # the read's descriptor, once its requests ran
+    staging = tier._reader.staging
+    wait_until(lambda: staging._free.qsize() == len(staging._all))  # every read staging place back
+    k, v = store.get(1)
+    assert torch.equal(k, data[1][0]) and torch.equal(v, data[1][1])
+    store.close()
+    assert os.listdir(tmp_path) == []
