@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_core.__main__ import main as offload_main
-from offload_core.bench import stream
+from offload_core.bench import stream, streamreport
 
 
 def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
               (raw(1.2, 2.2, [(0.9, 4.0), (1.0, 1.5)]), tier(1.0, 2.0))]
     for (_, (row,)), (w, r) in zip(rounds, [(1.0, 2.0), (2.2, 1.9), (1.0, 4.0)]):
         row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
-    limits, rows = stream._combine(rounds)
+    limits, rows = streamreport.combine(rounds, torch.device("cpu"))
     f = limits["file"]
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
     assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
@@ -121,7 +121,7 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
     calls.clear()
     monkeypatch.setattr(stream.rawio, "file_limits", lambda *a: {"write_gib_s": {1: 1.0}, "read_gib_s": {1: 1.0}})
     monkeypatch.setattr(stream.rawio, "ram_limit", lambda n: 1.0)
-    monkeypatch.setattr(stream, "_combine", lambda rounds: ({"file": {}}, []))
+    monkeypatch.setattr(streamreport, "combine", lambda rounds, device: ({"file": {}}, []))
     args = stream.build_parser().parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2",
                                              "--tiers", "file_sync,file_async", "--device", "cpu"])
     stream.run(args)
@@ -143,9 +143,9 @@ def _result(write_range, read_range):
 
 
 def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
-    steady = stream.table(_result([0.95, 1.05], [0.9, 1.05]))
+    steady = streamreport.table(_result([0.95, 1.05], [0.9, 1.05]))
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
-    noisy = stream.table(_result([0.9, 1.05], [0.7, 1.2]))
+    noisy = streamreport.table(_result([0.9, 1.05], [0.7, 1.2]))
     assert "note: the disk's raw read throughput moved by more than 20%" in noisy
 
 
