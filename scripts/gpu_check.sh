@@ -16,8 +16,9 @@
 # 103.71 s over 40 steps, less compute). At --steps 4 one round of the 9 rows is ~33 s (the cold file rows
 # ~19 s of it); 1 warm-up + 2 timed rounds ~100 s per pipeline, plus ~20 s to build each model: ~4 min for
 # both. The tests take ~1.5 min under the sanitizer (it hooks every kernel launch) and ~40 s without, the
-# demo seconds, the streaming benchmark at most STREAM_TIMEOUT (120 s). Each step has a time limit, so a
-# hang shows as a failed row instead of a stuck script. Override with BENCH_STEPS / BENCH_RUNS.
+# demo seconds, the streaming benchmark at most STREAM_TIMEOUT (150 s; 3 rounds of ~50 one-GiB passes,
+# estimated ~25 s on a 7 GB/s NVMe drive). Each step has a time limit, so a hang shows as a failed row
+# instead of a stuck script. Override with BENCH_STEPS / BENCH_RUNS.
 #
 # Uses the current python if it has CUDA torch, else sets up ./.venv with TORCH_SPEC. Extra arguments go to
 # both benchmark runs (e.g. --modes gpu,ram_async). Results and logs: $GPU_CHECK_OUT (default gpu-check/).
@@ -62,6 +63,6 @@ if [ "$with_diffusers" = 1 ]; then
             --steps "$steps" --runs "$runs" --json "$out/bench-$pipeline.json" "$@"
     done
 fi
-step stream "${STREAM_TIMEOUT:-120}" "$py" -m offload_core stream --device cuda --rounds 2
+step stream "${STREAM_TIMEOUT:-150}" "$py" -m offload_core stream --device cuda --rounds 3
 echo
 "$py" scripts/gpu_summary.py "$out"
