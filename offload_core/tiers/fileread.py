@@ -1,8 +1,8 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
-The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads (the
-last wave of a layer in quarter-chunk requests, so the queue drains for less time at its end) into a
-read staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared
+The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads
+(`file_sync`: the last wave of a layer in quarter-chunk requests, so the queue drains for less time at its
+end) into a read staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared
 with what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are
 page-aligned, so there the chunks are read straight into the slot, with no copy. `file_async` runs the
 per-layer steps on two lanes (one thread each, first in first out, so copies into one slot stay in order): one
@@ -155,17 +155,20 @@ class Reader:
         return item, fd, futures
 
     def _parts(self, index: int, count: int, n: int) -> List[Optional[Tuple[int, int, list]]]:
-        """How chunk `index` of `count` (`n` bytes) is requested: whole (`[None]`), or, for the last wave of a
-        layer (its last `workers` chunks, never the first, which carries the header), as `TAIL_PARTS` requests.
+        """How chunk `index` of `count` (`n` bytes) is requested: whole (`[None]`), or, in `file_sync`, for the
+        last wave of a layer (its last `workers` chunks, never the first, which carries the header), as
+        `TAIL_PARTS` requests.
 
-        A layer's read ends when its slowest last request does; the requests of the last wave end at different
-        times, and the disk's queue drains meanwhile. Shorter requests there drain it for a shorter time: over a
-        `file_sync` get of a 64 MiB layer, 3.7 instead of 3.2 requests in flight on average (measured). That
+        A `file_sync` read ends when its slowest last request does; the requests of the last wave end at
+        different times, and the disk's queue drains meanwhile. Shorter requests there drain it for a shorter
+        time: over a get of a 64 MiB layer, 3.7 instead of 3.2 requests in flight on average (measured). That
         should pay where throughput grows with depth (NVMe drives); not measured there. On the virtual disks
         this was measured on, which gain little past depth 2, the get loop moved within the noise (+3.3 %,
-        median of 20 alternations, 11 of them faster)."""
+        median of 20 alternations, 11 of them faster). Not in `file_async`: its start lane queues the next
+        layer's requests behind these, so the queue does not drain at a layer's end, and the extra requests
+        only cost (on a fast disk, exposed wait 21.8 -> 31.6 ms a pass, median of 10)."""
         part = (n // TAIL_PARTS) // ALIGN * ALIGN
-        if index == 0 or index < count - self._chunks.workers or part == 0:
+        if self._lanes or index == 0 or index < count - self._chunks.workers or part == 0:
             return [None]
         left = [0, threading.Lock()]  # parts not yet read, shared by the chunk's requests
         parts = [(start, min(part, n - start), left) for start in range(0, n, part)]
