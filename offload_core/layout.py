@@ -76,6 +76,27 @@ def views(flat: torch.Tensor, layout: LayerLayout, base: int = 0) -> Tuple[torch
     return out[0], out[1]
 
 
+def typed_views(flat: torch.Tensor, layout: LayerLayout,
+                typed: Dict[torch.dtype, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`views(flat, layout)`, in one torch call per tensor: `typed` keeps `flat` viewed as each dtype (the
+    caller's cache, to be emptied when `flat` changes), and K and V are strided views of that.
+
+    For the tensors a `get` serves, made fresh every time (a consumer may change a view's shape in place).
+    Every torch call releases the GIL and has to win it back from the I/O threads: with six of them per get
+    instead of two, a get on 2 busy cores took 1.9 instead of 1.3 ms (measured)."""
+    out = []
+    for spec in layout.specs:
+        whole = typed.get(spec.dtype)
+        if whole is None:
+            whole = typed[spec.dtype] = flat.view(spec.dtype)
+        stride, n = [], 1
+        for size in reversed(spec.shape):
+            stride.append(n)
+            n *= max(size, 1)  # as torch counts the strides of a shape with a 0 in it
+        out.append(whole.as_strided(spec.shape, stride[::-1], spec.offset // whole.element_size()))
+    return out[0], out[1]
+
+
 def copy_in(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:
     """Copies `k` and `v` into their places in `flat` (any device to any device)."""
     dst_k, dst_v = views(flat, layout)

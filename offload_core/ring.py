@@ -21,10 +21,11 @@ from .tiers import Pending, Tier
 
 
 class Slot:
-    __slots__ = ("buffer", "coded", "key", "pending", "release")
+    __slots__ = ("buffer", "coded", "key", "pending", "release", "typed")
 
     def __init__(self) -> None:
         self.buffer: Optional[torch.Tensor] = None  # the layer as served (the dtype put)
+        self.typed: Dict[torch.dtype, torch.Tensor] = {}  # `buffer` viewed as each dtype served (layout.typed_views)
         self.coded: Optional[torch.Tensor] = None  # with a codec: the encoded bytes a tier copies in
         self.key: Optional[Hashable] = None
         self.pending = Pending()
@@ -104,6 +105,7 @@ class SlotRing:
         if small:
             grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
             slot.buffer = self._new_buffer(nbytes)
+            slot.typed = {}  # views of the old buffer: never serve them
         if small_coded:
             grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
             slot.coded = self._new_buffer(coded)

@@ -29,7 +29,7 @@ from .config import HostServices, Mode, OffloadConfig
 from .devices import Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
 from .hostmem import HostAllocator, pin_room
-from .layout import LayerLayout, layout_for, views
+from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
@@ -254,7 +254,8 @@ class KVStore:
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
         if ring.current is not None and ring.current.key == key:
-            return self._serve(key, *views(ring.current.buffer, layout))  # the same layer again: nothing moves
+            current = ring.current  # the same layer again: nothing moves
+            return self._serve(key, *typed_views(current.buffer, layout, current.typed))
         self._order.observe(key)
         ring.release_current()
         # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
@@ -278,7 +279,7 @@ class KVStore:
         if self._codec is not None:
             self._decode(key, slot)
         ring.current = slot
-        return self._serve(key, *views(slot.buffer, layout))
+        return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
 
     def _serve(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         self._served = (key, k, v, k._version + v._version)

@@ -268,3 +268,21 @@ def test_a_failed_load_is_never_served_later(mode, tmp_path):
                 store.get(2)
         assert torch.equal(store.get(3)[0], layers[3][0])
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_layers_of_growing_and_shrinking_sizes_and_dtypes_come_back_exact(mode, tmp_path):
+    """A slot grows for a bigger layer (a new buffer: nothing viewed into the old one may be served) and serves
+    smaller ones and other dtypes from the same buffer."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [((1, 2, 5, 16), torch.float32), ((1, 2, 300, 16), torch.bfloat16), ((1, 2, 9, 16), torch.float16),
+              ((1, 2, 900, 16), torch.float32), ((2, 3), torch.bfloat16)]
+    layers = {i: (torch.randn(s, generator=gen).to(d), torch.randn(s, generator=gen).to(d))
+              for i, (s, d) in enumerate(shapes)}
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        for _ in range(3):
+            for key, (k, v) in layers.items():
+                got_k, got_v = store.get(key)
+                assert got_k.dtype == k.dtype and torch.equal(got_k, k) and torch.equal(got_v, v), key

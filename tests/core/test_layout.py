@@ -57,3 +57,23 @@ def test_a_contiguous_host_range_is_copied_as_its_values(make):
     expected = torch.zeros(layout.data_bytes, dtype=torch.uint8)
     copy_in(expected, layout, k.resolve_neg(), v.resolve_neg())
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
+def test_typed_views_are_the_views_in_one_call_each(dtype):
+    from offload_core.layout import typed_views, views
+
+    k, v = torch.randn(2, 3, 50, 7).to(dtype), torch.randn(5, 1, 0).to(dtype)  # an empty V too
+    for kk, vv in ((k, v), (k[0], k.reshape(-1)), (torch.tensor(3.0).to(dtype), k)):  # a scalar K
+        layout = layout_for(kk, vv)
+        flat = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+        copy_in(flat, layout, kk, vv)
+        typed = {}
+        for _ in range(2):  # the second time from the cache
+            got, want = typed_views(flat, layout, typed), views(flat, layout)
+            for a, b in zip(got, want):
+                assert (a.dtype, a.shape, a.stride(), a.data_ptr()) == (b.dtype, b.shape, b.stride(), b.data_ptr())
+                assert torch.equal(a, b)
+            assert set(typed) == {dtype}
+        got[0].add_(1) if got[0].numel() else None
+        assert got[0]._version == want[0]._version  # one version counter: an in-place write is still seen
