@@ -37,6 +37,15 @@ def config_for(name, tmp_path):
     return OffloadConfig(**fields)
 
 
+def put_then_get(store, layers, passes):
+    """Puts every layer, then gets them all `passes` times in order: yields (expected k, v, got k, v)."""
+    for key, (k, v) in layers.items():
+        store.put(key, k, v)
+    for _ in range(passes):
+        for key, (k, v) in layers.items():
+            yield (k, v, *store.get(key))
+
+
 def streamed(stats):
     return sum(n for place, n in stats["plan"].items() if place != "device")
 
@@ -108,14 +117,10 @@ def test_any_dtype_and_strided_views_round_trip_across_chunk_boundaries(mode, dt
             assert not k.is_contiguous() and not v.is_contiguous()
         layers[key] = (k, v)
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
-        for _ in range(2):
-            for key, (k, v) in layers.items():
-                got_k, got_v = store.get(key)
-                assert got_k.shape == k.shape and got_v.shape == v.shape
-                assert torch.equal(got_k.view(torch.uint8), k.contiguous().view(torch.uint8))
-                assert torch.equal(got_v.view(torch.uint8), v.contiguous().view(torch.uint8))
+        for k, v, got_k, got_v in put_then_get(store, layers, passes=2):
+            assert got_k.shape == k.shape and got_v.shape == v.shape
+            assert torch.equal(got_k.view(torch.uint8), k.contiguous().view(torch.uint8))
+            assert torch.equal(got_v.view(torch.uint8), v.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("mode", TIERS)
@@ -280,9 +285,5 @@ def test_layers_of_growing_and_shrinking_sizes_and_dtypes_come_back_exact(mode, 
     layers = {i: (torch.randn(s, generator=gen).to(d), torch.randn(s, generator=gen).to(d))
               for i, (s, d) in enumerate(shapes)}
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
-        for _ in range(3):
-            for key, (k, v) in layers.items():
-                got_k, got_v = store.get(key)
-                assert got_k.dtype == k.dtype and torch.equal(got_k, k) and torch.equal(got_v, v), key
+        for k, v, got_k, got_v in put_then_get(store, layers, passes=3):
+            assert got_k.dtype == k.dtype and torch.equal(got_k, k) and torch.equal(got_v, v)
