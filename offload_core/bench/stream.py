@@ -28,8 +28,8 @@ import torch
 from .. import KVStore, OffloadConfig
 from ..tiers import fileio, fileowner
 from . import rawio, streamreport
+from .rawio import GiB
 
-GiB = float(1 << 30)
 TIERS = ["ram_sync", "ram_async", "file_sync", "file_async"]
 
 

@@ -10,7 +10,8 @@ from typing import Dict, List
 
 import torch
 
-GiB = float(1 << 30)
+from .rawio import GiB
+
 NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %
 
 

@@ -1,13 +1,12 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
-The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads
-(`file_sync`: the last wave of a layer in quarter-chunk requests, so the queue drains for less time at its
-end) into a read staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared
-with what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are
-page-aligned, so there the chunks are read straight into the slot, with no copy. `file_async` runs the
-per-layer steps on two lanes (one thread each, first in first out, so copies into one slot stay in order): one
-that starts reads and one that finishes them, so the next layer's chunks are queued while this one's complete.
-`file_sync` runs them inline.
+The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads (`file_sync`:
+the last wave of a layer in quarter-chunk requests, so the queue drains for less time at its end) into a read
+staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared with
+what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are page-aligned, so
+there the chunks are read straight into the slot, with no copy. `file_async` runs the per-layer steps on two lanes
+(one thread each, first in first out, so copies into one slot stay in order): one that starts reads and one that
+finishes them, so the next layer's chunks are queued while this one's complete. `file_sync` runs them inline.
 """
 
 from __future__ import annotations
