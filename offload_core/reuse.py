@@ -15,8 +15,7 @@ the extraction pass. `PrefixRegistry` holds such stores between requests:
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
 
 The engine stays model-agnostic: what goes into a key is decided by the adapter (`offload_core.diffusers`, the
-ComfyUI nodes); `model_fingerprint` (`prefix.py`) is the part every torch model shares. Both are importable
-from here too.
+ComfyUI nodes); `fingerprint.model_state` is the part every torch model shares.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from typing import Dict, List, Mapping, Optional, Union
 
 import psutil
 
-from .prefix import PrefixKey, model_fingerprint  # noqa: F401 (the adapters import both from here)
+from .prefix import PrefixKey  # noqa: F401 (the adapters import it from here)
 from .tiers import KVFileError
 
 log = logging.getLogger(__name__)

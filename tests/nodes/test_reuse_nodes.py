@@ -205,3 +205,67 @@ def test_flux_kv_cache_semantics_keep_reuse_off_and_the_latents_unchanged():
     _flux(True, 0, model)
     snap = REUSE.snapshot()
     assert not snap["on"] and snap["reason"] == FLUX_KV_REASON and snap["line"] == f"reuse {FLUX_KV_REASON}"
+
+
+def patched_with(dm, storage="exact", reuse=True):
+    m, _ = apply_offload(Patcher(dm), config_from_inputs("ram_sync", storage=storage), host=lambda p: None,
+                         store_factory=KVStore, reuse=reuse)
+    for name, obj in m.object_patches.items():
+        setattr(dm, name.split(".", 1)[1], obj)
+    return m
+
+
+@pytest.mark.parametrize("first, second", [("int8", "exact"), ("exact", "int8"), ("fp8", "int8")])
+def test_another_storage_is_a_miss_and_matches_a_fresh_run(first, second):
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)  # wraps a method of the model: before any key is taken
+    fresh = queue(dm, patched_with(dm, second, reuse=False), seed=1)
+    queue(dm, patched_with(dm, first), seed=0)
+    assert torch.equal(queue(dm, patched_with(dm, second), seed=1), fresh)
+    assert fills.count == 9 and REUSE.snapshot()["hits"] == 0
+
+
+def test_comfyuis_own_cache_dtype_set_downstream_is_a_miss():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    m.model_options["transformer_options"]["qwen_image21_cache"] = {"dtype": "int8"}  # a cache node after ours
+    queue(dm, m, seed=1)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 0
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_a_lossy_hit_equals_a_fresh_lossy_run(storage):
+    dm = Tiny21()
+    fresh = queue(dm, patched_with(dm, storage, reuse=False), seed=1)
+    m = patched_with(dm, storage)
+    assert torch.equal(queue(dm, m, seed=1), fresh)  # the fill pass attends to the decoded prefix too
+    assert torch.equal(queue(dm, m, seed=1), fresh) and REUSE.snapshot()["hits"] == 1
+    assert not torch.equal(fresh, own_cache(1))  # the storage is lossy: the test can tell the two apart
+
+
+def test_a_weight_edited_through_data_is_a_miss():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    dm.qkv[0].data[-1, -1] += 0.5  # no version counter moves, no sampled element changes
+    out = queue(dm, m, seed=1)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 0
+    assert torch.equal(out, queue(dm, patched_with(dm, reuse=False), seed=1))
+
+
+def test_an_option_the_key_cannot_read_turns_reuse_off_with_the_reason():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    m.model_options["transformer_options"]["optimized_attention_override"] = lambda *a, **k: None
+    queue(dm, m, seed=1)
+    snap = REUSE.snapshot()
+    assert fills.count == 6 and snap["hits"] == 0 and "model options" in snap["refused"]
+    assert "off for the last run" in snap["line"]
+    del m.model_options["transformer_options"]["optimized_attention_override"]
+    queue(dm, m, seed=2)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 1  # readable again: the kept prefix serves
