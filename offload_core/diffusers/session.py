@@ -95,6 +95,7 @@ class OffloadSession:
             if state is None:  # once per request: the branches of one call share the transformer
                 state = self._states[id(transformer)] = model_state(transformer, device, own=is_ours)
             described, option_tensors = plain(options or {}, "the attention kwargs")
+            check_backends(transformer)
         except Unkeyable as exc:
             self._refuse(str(exc))
             return None
@@ -248,6 +249,26 @@ def ours(hook):
 
 def is_ours(hook) -> bool:
     return getattr(hook, "_kv_offload", False) is True
+
+
+PROVEN_BACKENDS = {"native"}  # where a hit (a cached step 0) is bit-identical to an extract step 0, by test
+
+
+def check_backends(transformer) -> None:
+    """Refuses attention backends under which a hit is not proven bit-identical to a fresh request: a hit runs
+    step 0 as a cached call (target queries only), a fresh request as an extract call (every query), and a
+    backend whose kernels round differently for another number of queries (e.g. `_native_math`) changes the
+    last bits of the image although the prefix is the same."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    names = {str(getattr(_AttentionBackendRegistry.get_active_backend()[0], "value", "?"))}
+    names |= {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
+              for m in transformer.modules()
+              if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None}
+    unproven = sorted(names - PROVEN_BACKENDS)
+    if unproven:
+        raise Unkeyable(f"the attention backend {', '.join(unproven)} is not proven to give a hit the same bits as "
+                        "a fresh request (its kernels may round differently for a cached step)")
 
 
 def attention_backend() -> str:
