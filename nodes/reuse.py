@@ -61,7 +61,11 @@ class NodeReuse:
         objects = sorted((name, id(obj)) for name, obj in (getattr(patcher, "object_patches", None) or {}).items()
                          if name != OUR_PATCH)
         try:
-            state = model_state(dm, key_tensor.device)
+            state = getattr(run, "kv_model_state", None)  # read once per run: its conds share the model
+            if state is None:
+                state = model_state(dm, key_tensor.device)
+                if run is not None:
+                    run.kv_model_state = state
             options, tensors = forward_options(getattr(run, "model_options", None) or {})
         except Unkeyable as exc:
             self._refuse(str(exc))

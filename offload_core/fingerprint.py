@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-_WORDS = 1 << 21  # elements hashed per kernel: 16 MiB of int64 temporaries (and of kept weights)
+_WORDS = 1 << 21  # 64-bit words hashed per kernel: 16 MiB of int64 temporaries (and of kept weights)
 _MULTIPLIER = 0x9E3779B97F4A7C15  # odd: word i is weighted by an odd number, so a changed word always shows
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
 _SKIPPED_ATTRS = {"_parameters", "_buffers", "_modules", "training", "processor", "_compiled_call_impl"}
@@ -80,8 +80,8 @@ def _plain(value, where: str, tensors: List[torch.Tensor]):
 def content_digest(tensors: Sequence[torch.Tensor]) -> bytes:
     """A digest of every byte of `tensors` (order, shapes and dtypes included), computed on each tensor's device.
 
-    Per tensor: the sum of its elements' bit patterns (as integers), each multiplied by an odd weight that
-    depends on its position, modulo 2**64 — exact, so it does not depend on reduction order or float rounding, and any one changed word
+    Per tensor: the sum of its 64-bit words, each multiplied by an odd weight that depends on its position,
+    modulo 2**64 — exact, so it does not depend on reduction order or float rounding, and any one changed word
     changes it. One small copy per device brings the sums to the host.
     """
     sums: Dict[torch.device, List[torch.Tensor]] = {}
@@ -99,22 +99,32 @@ def content_digest(tensors: Sequence[torch.Tensor]) -> bytes:
 
 
 def _tensor_sum(t: torch.Tensor) -> torch.Tensor:
-    words = _as_words(t)
     total = torch.zeros(2, dtype=torch.int64, device=t.device)
     weights = _weights(t.device)
-    for start in range(0, words.numel(), _WORDS):
-        chunk = words[start:start + _WORDS].to(torch.int64)
-        total[0] += (chunk * weights[: chunk.numel()]).sum()
-        total[1] += chunk.sum() * (start // _WORDS * 2 + 1)  # which chunk a word sits in
+    for part, words in enumerate(_as_words(t)):
+        for start in range(0, words.numel(), _WORDS):
+            chunk = words[start:start + _WORDS].to(torch.int64)
+            total[0] += (chunk * weights[: chunk.numel()]).sum()
+            total[1] += chunk.sum() * (2 * (start // _WORDS) + 4 * part + 1)  # which chunk a word sits in
     return total
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of `t` as integers of its own element width (a view: any offset and stride-free layout)."""
+def _as_words(t: torch.Tensor) -> List[torch.Tensor]:
+    """The bytes of `t` as 64-bit words (so a bf16 weight takes a quarter of the elements through the kernels),
+    then the bytes that do not fill a last word, in `t`'s own element width. The grouping depends only on the
+    bytes, never on where the tensor starts in its storage: an unaligned one is copied first."""
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return flat.view(_INT_OF_WIDTH[flat.element_size()])
+    if flat.dtype is torch.bool:
+        flat = flat.view(torch.uint8)
+    own = flat.view(_INT_OF_WIDTH[flat.element_size()])
+    per_word = 8 // flat.element_size()
+    whole = flat.numel() // per_word * per_word
+    head = own[:whole]
+    if head.storage_offset() * head.element_size() % 8:
+        head = head.clone()  # a fresh storage starts aligned
+    return [head.view(torch.int64), own[whole:]]
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
