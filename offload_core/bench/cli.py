@@ -200,6 +200,6 @@ def main(argv=None) -> int:
         from .plot import write_plot
 
         error = write_plot(args.plot, rows, verdict["headline"], str(args.device), footer=settings,
-                           recommended=verdict["evidence"])
+                           recommended=verdict["evidence"], cautions=cautions)
         print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
     return 0

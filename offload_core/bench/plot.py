@@ -22,10 +22,22 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     return sorted(front, key=lambda i: points[i])
 
 
+def _spread_sideways(xs: list[float]) -> list[float]:
+    """Rows at one memory figure, moved apart by 1.5 % of the axis each so that none hides another."""
+    step = 0.015 * ((max(xs) - min(xs)) or 1.0)
+    out = list(xs)
+    for x in set(xs):
+        same = [i for i, other in enumerate(xs) if other == x]
+        for rank, i in enumerate(same):
+            out[i] = x + (rank - (len(same) - 1) / 2) * step
+    return out
+
+
 def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: str = "",
-               recommended: str | None = None) -> str | None:
+               recommended: str | None = None, cautions: tuple = ()) -> str | None:
     """Save a PNG of median latency (with its range as error bars) against peak device memory, one series per
-    row, the Pareto front joined, the better corner marked. Returns an error message or None."""
+    row, the Pareto front joined, the better corner marked, `cautions` under the headline. Returns an error
+    message or None."""
     try:
         import matplotlib
 
@@ -34,15 +46,15 @@ def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: 
     except ImportError:
         return "--plot needs matplotlib, which is not installed: `pip install matplotlib`. The plot was skipped."
     field, _ = device_memory_column(rows)
-    xs = [(r[field] or 0) / 2**20 for r in rows]
-    ys = [r["latency_s"] for r in rows]
+    mib = [(r[field] or 0) / 2**20 for r in rows]
+    xs, ys = _spread_sideways(mib), [r["latency_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(10, 5.6))
     for i, r in enumerate(rows):
         low, high = r.get("latency_min_s", ys[i]), r.get("latency_max_s", ys[i])
         ax.errorbar([xs[i]], [ys[i]], yerr=[[ys[i] - low], [high - ys[i]]], fmt=MARKERS[i % len(MARKERS)],
                     color=COLOURS[i % len(COLOURS)], markersize=8, capsize=4, alpha=0.9,
                     label=f"{r['label']}: {ys[i]:.2f} s ({low:.2f}-{high:.2f})")
-    front = pareto_front(list(zip(xs, ys)))
+    front = pareto_front(list(zip(mib, ys)))
     if len(front) > 1:
         ax.plot([xs[i] for i in front], [ys[i] for i in front], "--", color="black", linewidth=1, zorder=0,
                 label="nothing beats these (Pareto front)")
@@ -56,10 +68,14 @@ def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: 
     # Lower-left is better on both axes: said in that corner (axes coordinates, wherever the data lies).
     ax.text(0.01, 0.01, "\u2199 better", transform=ax.transAxes, fontsize=10, color="green", fontweight="bold")
     fig.suptitle("\n".join(textwrap.wrap(headline, 90)), x=0.01, ha="left", fontsize=12, fontweight="bold")
+    caution = "\n".join(line for note in cautions for line in textwrap.wrap(f"Caution: {note}", 190))
+    if caution:
+        fig.text(0.01, 0.93, caution, fontsize=6.5, color="darkred", va="top")
     ax.grid(True, alpha=0.3)
     if footer:
+        footer += "; rows at one memory figure are drawn side by side"
         fig.text(0.01, 0.01, "\n".join(textwrap.wrap(footer, 170)), fontsize=6.5, color="dimgrey", va="bottom")
-    fig.tight_layout(rect=(0, 0.06 if footer else 0, 1, 1))
+    fig.tight_layout(rect=(0, 0.06 if footer else 0, 1, 0.93 - 0.022 * caution.count("\n") if caution else 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None

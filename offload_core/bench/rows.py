@@ -65,7 +65,7 @@ _EXTRA_ROWS = (AUTO_ROW, RERUN_ROW)  # selected by name only
 BASELINE_KEY = "gpu_upstream"
 # The default run: the rows the recommendation chooses between (every place, the dial's two kinds of budget, and
 # no cache), small enough that the table prints within two minutes on two cores. `--modes all`: every row.
-VERDICT_KEYS = ("none", "gpu", "ram_sync", "ram_async", "file_async_cold", "device_50", "host_50")
+VERDICT_KEYS = ("none", "gpu", "ram_async", "file_async_cold", "device_50", "host_50")
 
 # Shorthands accepted by --modes besides the row keys: a mode name selects all its rows.
 _ALIASES = {

@@ -134,6 +134,7 @@ def reliability(rows: list[dict], load: dict, threads: int) -> list[str]:
     notes = []
     noisy = [f"'{r['label']}'" for r in rows if r.get("noisy")]
     if noisy:
+        noisy = ["every row"] if len(noisy) == len(rows) > 1 else noisy
         notes.append(f"the requests of {', '.join(noisy)} spread by more than {SPREAD_LIMIT:.0%} of their median "
                      "(range column): a ratio to them is not settled by this run; more --runs narrow it.")
     before, after = load["before"], load["after"]

@@ -18,7 +18,7 @@ COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device
 
 def test_the_default_rows_are_the_verdicts_and_all_is_the_fifteen_of_the_table():
     assert [r.key for r in select_rows(None)] == [
-        "none", "gpu", "ram_sync", "ram_async", "file_async_cold", "device_50", "host_50"]
+        "none", "gpu", "ram_async", "file_async_cold", "device_50", "host_50"]
     assert [r.key for r in select_rows("all")] == [
         "none", "gpu_upstream", "gpu", "ram_sync", "ram_async",
         "file_sync_warm", "file_async_warm", "file_sync_cold", "file_async_cold",
