@@ -1,4 +1,4 @@
-"""`python -m offload_core bench`: the speed/memory table of every KV-cache mode on this machine."""
+"""`python -m offload_core bench`: the speed/memory table of the KV-cache modes on this machine, and the one to use."""
 
 from __future__ import annotations
 

@@ -75,3 +75,15 @@ def test_the_notes_name_noisy_rows_and_a_busy_machine_and_stay_quiet_otherwise()
 def test_the_pareto_front_is_what_nothing_beats_in_memory_and_latency():
     points = [(0, 3.0), (8, 1.0), (2, 1.2), (5, 1.1), (2, 2.0), (6, 1.1)]
     assert pareto_front(points) == [0, 2, 3, 1]
+
+
+def test_every_row_of_the_full_table_gets_its_own_colour_and_marker_and_the_axis_says_what_it_measures():
+    from offload_core.bench.plot import COLOURS, MARKERS
+    from offload_core.bench.report import memory_axis
+    from offload_core.bench.rows import ALL_ROWS
+
+    assert len(set(COLOURS)) >= len(ALL_ROWS) and len(set(MARKERS)) >= len(ALL_ROWS)
+    cpu = [{"peak_device_allocated": None, "peak_kv_device": 1}]
+    cuda = [{"peak_device_allocated": 5, "peak_kv_device": 1}]
+    assert "RAM (the CPU's own memory)" in memory_axis(cpu, "cpu")
+    assert memory_axis(cuda, "cuda:0").startswith("peak VRAM allocated")
