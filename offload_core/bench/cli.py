@@ -118,7 +118,7 @@ def workload(args, rows: list[dict]) -> dict:
     from . import fullsize
 
     if args.model is not None or args.size == "full":
-        cache = max((sum(r["kv_bytes"].values()) for r in rows if r["mode"] is not None), default=0)
+        cache = max((sum(r["kv_bytes"].values()) for r in rows), default=0)  # every row holds the same K/V
         what = f"this model ({args.resolution}x{args.resolution}, {args.images} condition image(s))"
         return {"cache_bytes": cache, "other_device_bytes": fullsize.HEADROOM, "what": what}
     branches = 2 if args.pipeline == "qwen21" else 1  # Qwen-Image 2.1 runs true CFG; FLUX.2 [klein] is distilled

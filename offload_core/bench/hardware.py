@@ -80,6 +80,8 @@ def free(device: torch.device, directory: str) -> dict:
     unified, device_free = True, ram
     if device.type == "cuda":
         unified = bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
+        if not unified:
+            torch.cuda.empty_cache()  # blocks the allocator keeps after the last request count as free
         device_free = ram if unified else int(torch.cuda.mem_get_info(device)[0])
     try:
         disk = shutil.disk_usage(directory).free
