@@ -120,13 +120,15 @@ def workload(args, rows: list[dict]) -> dict:
     if args.model is not None or args.size == "full":
         cache = max((sum(r["kv_bytes"].values()) for r in rows), default=0)  # every row holds the same K/V
         what = f"this model ({args.resolution}x{args.resolution}, {args.images} condition image(s))"
-        return {"cache_bytes": cache, "other_device_bytes": fullsize.HEADROOM, "what": what}
+        return {"cache_bytes": cache, "other_device_bytes": fullsize.HEADROOM, "what": what,
+                "can_skip_cache": args.can_skip_cache}
     branches = 2 if args.pipeline == "qwen21" else 1  # Qwen-Image 2.1 runs true CFG; FLUX.2 [klein] is distilled
     cache = branches * fullsize.kv_bytes(args.pipeline, torch.bfloat16, args.images, 1024)
     weights = fullsize.PARAMETERS[args.pipeline] * 2
     what = (f"a real {fullsize.NAMES[args.pipeline]} request (1024x1024, {args.images} condition image(s), bf16"
             f"{', true CFG' if branches == 2 else ''}, beside its {weights / 2**30:.0f} GiB of weights)")
-    return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what}
+    return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what,
+            "can_skip_cache": args.can_skip_cache}
 
 
 def run(args) -> tuple[list[dict], dict, str]:
@@ -141,7 +143,8 @@ def run(args) -> tuple[list[dict], dict, str]:
     load = {"before": hardware.load()}
     pipe, description = _pipeline(args)
     rows, skipped = args.rows, ""
-    if not loading.supports_no_cache(pipe) and any(r.key == "none" for r in rows):
+    args.can_skip_cache = loading.supports_no_cache(pipe)
+    if not args.can_skip_cache and any(r.key == "none" for r in rows):
         rows = [r for r in rows if r.key != "none"]
         skipped = "; no 'no cache' row: FLUX.2 Klein KV has no uncached mode"
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,

@@ -120,6 +120,8 @@ def recommend(rows: list[dict], free: dict, workload: dict) -> dict:
         reasons.append(_cost(row, by_key))
     if choice == "gpu":
         reasons.append(_fallback(row, rows, free["unified"]))
+    if choice == "off" and not workload.get("can_skip_cache", True):
+        reasons.append("this pipeline always caches (it has no uncached mode): free memory or disk space first")
     mode = CHOICES[choice][0]
     dials = ", ".join(f"{name}={_gib(value)}" for name, value in settings.items())
     call = ", ".join([f'mode="{mode}"', *(f"{name}={value}" for name, value in settings.items())])

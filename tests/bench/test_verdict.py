@@ -87,3 +87,9 @@ def test_every_row_of_the_full_table_gets_its_own_colour_and_marker_and_the_axis
     cuda = [{"peak_device_allocated": 5, "peak_kv_device": 1}]
     assert "RAM (the CPU's own memory)" in memory_axis(cpu, "cpu")
     assert memory_axis(cuda, "cuda:0").startswith("peak VRAM allocated")
+
+
+def test_a_pipeline_that_always_caches_is_told_so_when_nothing_fits():
+    workload = dict(WORKLOAD, can_skip_cache=False)
+    v = recommend(_rows(), _free(device=10, ram=2, disk=4), workload)
+    assert v["mode"] == "off" and "always caches" in v["why"][-1]
