@@ -12,7 +12,9 @@ the same code runs with every fence already complete.
 
 With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
 tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
-copy it reads: resident layers too are kept encoded and decoded into a slot.
+copy it reads: resident layers too are kept encoded and decoded into a slot. A layer holding a NaN or an inf
+is kept exactly as put instead (no codec can hold such a value without spreading it or dropping it), served
+like a layer of exact storage, and counted in `stats()["kv_error"]`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Dict, Hashable, Optional, Set, Tuple
 
 import torch
 
-from .codec import add_error, codec_for
+from .codec import add_error, codec_for, error_summary
 from .config import HostServices, Mode, OffloadConfig
 from .devices import Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
@@ -82,7 +84,8 @@ class KVStore:
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
         self._codec = codec_for(config.storage)
-        self._codec_error: Optional[torch.Tensor] = None  # [max abs, sum sq err, sum sq] over every put
+        self._codec_error: Optional[torch.Tensor] = None  # `Codec.error` totals over every layer encoded
+        self._exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
         self.requested = config.mode
         self.mode: Optional[Mode] = None
         self.reason = "auto: decided at the first put"
@@ -125,7 +128,8 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None)
+        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None,
+                        exact=self._exact)
         self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
@@ -212,14 +216,9 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         layout = layout_for(k, v)
-        if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
-            ek, ev = self._codec.encode(k), self._codec.encode(v)
-            for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
-                self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
-            k, v = ek, ev
-            kept = layout_for(k, v)
-        else:
-            kept = layout
+        if self._codec is not None:
+            k, v = self._encode(key, k, v)
+        kept = layout_for(k, v) if self._coded(key) else layout
         if self.plan is None:
             self._make_plan(layout, kept)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
@@ -235,6 +234,27 @@ class KVStore:
                 self._used["host"] += kept.data_bytes
             self._stats.count_transfer(kept.data_bytes)
 
+    def _encode(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the store keeps them: quantised on the device, before any byte moves, and the error measured;
+        or, where they hold a NaN or an inf, as put (added to `_exact`)."""
+        codec = self._codec
+        ek, ev = codec.encode(k), codec.encode(v)
+        # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
+        # waits for this layer's encode before it queues the next layer. Reads the scales only, not the data.
+        if not bool(codec.finite(ek, k.shape) & codec.finite(ev, v.shape)):
+            if not self._exact:
+                log.warning("KV offload%s: layer %r holds NaN or inf, which storage %r cannot hold; this layer (and "
+                            "any other such) is kept exact, see stats()['kv_error']", self._tag, key, codec.name)
+            self._exact.add(key)
+            return k, v
+        for err in (codec.error(k, ek), codec.error(v, ev)):
+            self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
+        return ek, ev
+
+    def _coded(self, key: Hashable) -> bool:
+        """Layer `key` is kept encoded (a codec, and finite K/V): `get` decodes it into a slot."""
+        return self._codec is not None and key not in self._exact
+
     @engine_mode
     @one_consumer
     def get(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -249,7 +269,7 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        direct = key in self._resident and self._codec is None
+        direct = key in self._resident and not self._coded(key)
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
@@ -276,7 +296,7 @@ class KVStore:
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
-        if self._codec is not None:
+        if self._coded(key):
             self._decode(key, slot)
         ring.current = slot
         return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
@@ -364,13 +384,17 @@ class KVStore:
             out[place] += 1
         return out
 
-    def kv_error(self) -> Optional[Dict[str, float]]:
-        """The codec's error over every layer put: max absolute and relative (‖x − x̂‖ / ‖x‖); None if exact."""
-        err = self._codec_error
-        if err is None:
+    def kv_error(self) -> Optional[Dict[str, object]]:
+        """The codec's error over every layer put: max absolute and relative (‖x − x̂‖ / ‖x‖), the count of
+        layers kept exact and why; None for exact storage. Finite for any magnitude (`codec.error_summary`)."""
+        if self._codec is None:
             return None
-        top, sq, ref = err.tolist()  # one host sync, only for lossy storage
-        return {"max_abs": top, "relative": (sq / ref) ** 0.5 if ref > 0 else 0.0}
+        err = self._codec_error
+        out = error_summary(err) if err is not None else {"max_abs": 0.0, "relative": 0.0}  # one host sync
+        exact = len(self._exact)
+        out["exact_layers"] = exact
+        out["exact_why"] = f"NaN or inf in K/V, which {self._codec.name} cannot hold" if exact else None
+        return out
 
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
