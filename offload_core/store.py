@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Dict, Hashable, Optional, Set, Tuple
+from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
@@ -88,7 +88,8 @@ class KVStore:
         self._exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
         self.requested = config.mode
         self.mode: Optional[Mode] = None
-        self.reason = "auto: decided at the first put"
+        self._granted = "auto: decided at the first put"  # how the requested mode was granted (see `reason`)
+        self._notes: List[str] = []  # what the tiers add (e.g. files on a RAM-backed filesystem)
         self.plan: Optional[Plan] = None
         self._streams: Optional[Streams] = None
         self._tiers: Dict[str, Tier] = {}
@@ -110,7 +111,7 @@ class KVStore:
             mode, reason = resolve(config.mode, self._unified)
             if mode is not self.requested:
                 log.warning("KV offload%s: %s", self._tag, reason)
-            self.mode, self.reason = mode, reason
+            self.mode, self._granted = mode, reason
             self._open_schedule(mode.is_async)
 
     @property
@@ -152,12 +153,10 @@ class KVStore:
             counted=self._expected is not None)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
         if auto:
-            self.mode, self.reason = self.plan.mode, self.plan.reason
-        elif self.plan.reason != "requested":
-            self.reason = self.plan.reason
+            self.mode = self.plan.mode
         counts = ", ".join(f"{place} {n}" for place, n in self.plan.counts().items() if n)
         log.info("KV offload%s: tier %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
-                 self.mode.value, self.reason, counts, self.config.storage, self.depth)
+                 self.mode.value, self.plan.reason, counts, self.config.storage, self.depth)
 
     def _tier(self, place: str) -> Tier:
         tier = self._tiers.get(place)
@@ -166,7 +165,7 @@ class KVStore:
             opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
             tier = self._tiers[place] = open_tier(place, self._ctx, opts)
             if tier.note:  # e.g. files on a RAM-backed filesystem: the stats say why this place saves no RAM
-                self.reason = f"{self.reason}; {tier.note}"
+                self._notes.append(tier.note)
         return tier
 
     @engine_mode
@@ -377,6 +376,18 @@ class KVStore:
                 self._owner = None  # the next request's consumer owns it, one request at a time
 
     # -- reporting -------------------------------------------------------------------------------------------
+    @property
+    def reason(self) -> str:
+        """Why the cache is where it is (`stats()["reason"]`): the plan in force, worded from the layers put so
+        far (not from the expected count), or how the mode was granted ("requested", a fallback) where the plan
+        has nothing to add; then what the tiers noted."""
+        said = self._granted
+        if self.plan is not None:
+            nbytes = sum(kept.data_bytes for kept in list(self._kept.values()))
+            words = self.plan.describe(self.placement(), nbytes)
+            said = words if words != "requested" else said
+        return "; ".join([said, *self._notes])
+
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place (what `stats()["plan"]` reports)."""
         out = dict.fromkeys(PLACES, 0)
