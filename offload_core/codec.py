@@ -20,9 +20,12 @@ range for any magnitude (no float64, which MPS lacks); `error_summary` turns the
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import logging
+from typing import Dict, Hashable, Optional, Set, Tuple
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SCALE_BYTES = 4  # float32
 CHUNK_ELEMENTS = 1 << 22  # float32 temporaries of at most 16 MiB
@@ -143,6 +146,47 @@ def error_summary(err: torch.Tensor) -> Dict[str, float]:
     """`{"max_abs", "relative"}` (relative: ||x - x'|| / ||x||) of an `add_error` total; one host sync."""
     top, worst, sq_err, sq_ref = err.tolist()
     return {"max_abs": worst * top, "relative": (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0}
+
+
+class Compact:
+    """A store's codec (None: exact storage) and what it measured over the layers put."""
+
+    def __init__(self, codec: Optional[Codec], tag: str = ""):
+        self.codec, self._tag = codec, tag
+        self.total: Optional[torch.Tensor] = None  # `Codec.error` totals over every layer encoded
+        self.exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
+
+    def coded(self, key: Hashable) -> bool:
+        """Layer `key` is kept encoded (a codec, and finite K/V): `get` decodes it into a slot."""
+        return self.codec is not None and key not in self.exact
+
+    def encode(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the store keeps them: quantised on the device, before any byte moves, and the error
+        measured; or, where they hold a NaN or an inf, as put (`key` joins `exact`). `k` and `v` are only read."""
+        codec = self.codec
+        ek, ev = codec.encode(k), codec.encode(v)
+        # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
+        # waits for this layer's encode before it queues the next layer. Reads the scales only, not the data.
+        if not bool(codec.finite(ek, k.shape) & codec.finite(ev, v.shape)):
+            if not self.exact:
+                log.warning("%s: layer %r holds NaN or inf, which storage %r cannot hold; this layer (and any other "
+                            "such) is kept exact, see stats()['kv_error']", self._tag, key, codec.name)
+            self.exact.add(key)
+            return k, v
+        for err in (codec.error(k, ek), codec.error(v, ev)):
+            self.total = err if self.total is None else add_error(self.total, err)
+        return ek, ev
+
+    def summary(self) -> Optional[Dict[str, object]]:
+        """Max absolute and relative error (‖x − x'‖ / ‖x‖) over the layers encoded, finite for any magnitude,
+        and the count of layers kept exact and why; None for exact storage."""
+        if self.codec is None:
+            return None
+        out: Dict[str, object] = dict(error_summary(self.total)) if self.total is not None else \
+            {"max_abs": 0.0, "relative": 0.0}  # one host sync, lossy storage only
+        out["exact_layers"] = len(self.exact)
+        out["exact_why"] = f"NaN or inf in K/V, which {self.codec.name} cannot hold" if self.exact else None
+        return out
 
 
 def codec_for(storage: str) -> Optional[Codec]:

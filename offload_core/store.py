@@ -26,7 +26,7 @@ from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import add_error, codec_for, error_summary
+from .codec import Compact, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .devices import Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
@@ -35,7 +35,7 @@ from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
-from .stats import StoreStats, free_device_memory, free_host_memory
+from .stats import StoreStats, free_device_memory, free_host_memory, host_dir
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, close_tiers, open_tier
@@ -83,9 +83,8 @@ class KVStore:
         self._host = host or HostServices()
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
-        self._codec = codec_for(config.storage)
-        self._codec_error: Optional[torch.Tensor] = None  # `Codec.error` totals over every layer encoded
-        self._exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
+        self._compact = Compact(codec_for(config.storage), f"KV offload{self._tag}")
+        self._codec = self._compact.codec
         self.requested = config.mode
         self.mode: Optional[Mode] = None
         self._granted = "auto: decided at the first put"  # how the requested mode was granted (see `reason`)
@@ -130,13 +129,19 @@ class KVStore:
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
         layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None,
-                        exact=self._exact)
+                        exact=self._compact.exact)
         self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
-    def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
+    def _free_figures(self) -> Tuple[Optional[int], Optional[int]]:
+        """Free device and host memory for `auto` (validated, `stats.host_figure`); (None, None) otherwise."""
+        if self.requested is not Mode.AUTO:
+            return None, None
+        return free_device_memory(self.device, self._host), free_host_memory(self._host)
+
+    def _make_plan(self, layout: LayerLayout, kept: LayerLayout, free: Tuple[Optional[int], Optional[int]]) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
         layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
@@ -147,8 +152,7 @@ class KVStore:
             layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
             slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
             device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
-            free_device=free_device_memory(self.device, self._host) if auto else None,
-            free_host=free_host_memory(self._host) if auto else None,
+            free_device=free[0], free_host=free[1],
             pinnable=self._allocator.pin, unified=self._unified or same_pool_reason(self.device),
             counted=self._expected is not None)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
@@ -161,7 +165,7 @@ class KVStore:
     def _tier(self, place: str) -> Tier:
         tier = self._tiers.get(place)
         if tier is None:
-            parent = self.config.file_dir or (self._host.temp_dir() if self._host.temp_dir else None)
+            parent = self.config.file_dir or (host_dir(self._host.temp_dir()) if self._host.temp_dir else None)
             opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
             tier = self._tiers[place] = open_tier(place, self._ctx, opts)
             if tier.note:  # e.g. files on a RAM-backed filesystem: the stats say why this place saves no RAM
@@ -215,11 +219,13 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         layout = layout_for(k, v)
+        if self.plan is None:  # the host's figures first: a bad one raises before this store allocates anything
+            free = self._free_figures()
         if self._codec is not None:
-            k, v = self._encode(key, k, v)
-        kept = layout_for(k, v) if self._coded(key) else layout
+            k, v = self._compact.encode(key, k, v)
+        kept = layout_for(k, v) if self._compact.coded(key) else layout
         if self.plan is None:
-            self._make_plan(layout, kept)
+            self._make_plan(layout, kept, free)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
         self._tier(place).store(key, k, v, kept)
         self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
@@ -232,27 +238,6 @@ class KVStore:
             if place in HOST_PLACES:
                 self._used["host"] += kept.data_bytes
             self._stats.count_transfer(kept.data_bytes)
-
-    def _encode(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V as the store keeps them: quantised on the device, before any byte moves, and the error measured;
-        or, where they hold a NaN or an inf, as put (added to `_exact`)."""
-        codec = self._codec
-        ek, ev = codec.encode(k), codec.encode(v)
-        # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
-        # waits for this layer's encode before it queues the next layer. Reads the scales only, not the data.
-        if not bool(codec.finite(ek, k.shape) & codec.finite(ev, v.shape)):
-            if not self._exact:
-                log.warning("KV offload%s: layer %r holds NaN or inf, which storage %r cannot hold; this layer (and "
-                            "any other such) is kept exact, see stats()['kv_error']", self._tag, key, codec.name)
-            self._exact.add(key)
-            return k, v
-        for err in (codec.error(k, ek), codec.error(v, ev)):
-            self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
-        return ek, ev
-
-    def _coded(self, key: Hashable) -> bool:
-        """Layer `key` is kept encoded (a codec, and finite K/V): `get` decodes it into a slot."""
-        return self._codec is not None and key not in self._exact
 
     @engine_mode
     @one_consumer
@@ -268,7 +253,7 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        direct = key in self._resident and not self._coded(key)
+        direct = key in self._resident and not self._compact.coded(key)
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
@@ -295,7 +280,7 @@ class KVStore:
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
-        if self._coded(key):
+        if self._compact.coded(key):
             self._decode(key, slot)
         ring.current = slot
         return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
@@ -396,16 +381,8 @@ class KVStore:
         return out
 
     def kv_error(self) -> Optional[Dict[str, object]]:
-        """The codec's error over every layer put: max absolute and relative (‖x − x̂‖ / ‖x‖), the count of
-        layers kept exact and why; None for exact storage. Finite for any magnitude (`codec.error_summary`)."""
-        if self._codec is None:
-            return None
-        err = self._codec_error
-        out = error_summary(err) if err is not None else {"max_abs": 0.0, "relative": 0.0}  # one host sync
-        exact = len(self._exact)
-        out["exact_layers"] = exact
-        out["exact_why"] = f"NaN or inf in K/V, which {self._codec.name} cannot hold" if exact else None
-        return out
+        """The codec's error over every layer put, and the layers kept exact (`codec.Compact.summary`)."""
+        return self._compact.summary()
 
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
