@@ -244,7 +244,9 @@ def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Option
 
 
 def _gib(n: Optional[int]) -> str:
-    return "unknown" if n is None else (f"{n / GiB:.2f} GiB" if n >= GiB // 4 else f"{n / MiB:.1f} MiB")
+    if n is None:
+        return "unknown"
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 4 else (f"{n / MiB:.1f} MiB" if n >= MiB // 4 else f"{n >> 10} KiB")
 
 
 def _count(layers: int) -> str:

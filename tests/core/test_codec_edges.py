@@ -7,15 +7,19 @@ import torch
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.codec import Codec, add_error, error_summary
 
-MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
+MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto", "mixed"]
 LOSSY = ["fp8", "int8"]
 BOUNDS = {"fp8": 0.04, "int8": 0.015}
 SHAPE = (1, 24, 2, 32)  # (B, P, H, D): 48 vectors of 32 values per tensor
+LAYER = 8192  # one layer of SHAPE in the flat layout, exact or encoded (K and V each 4 KiB-aligned)
 
 
 def store_for(mode, storage, tmp_path):
-    """A CPU store of `mode`; `auto` is told nothing is free, so it plans files (the CPU shares one pool)."""
+    """A CPU store of `mode`; `auto` is told nothing is free, so it plans files (the CPU shares one pool);
+    `mixed` keeps layers on the device, in RAM and in files."""
     fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
+    if mode == "mixed":
+        mode, fields = "ram_async", {"device_budget": 2 * LAYER, "host_budget": LAYER, "file_dir": str(tmp_path)}
     host = HostServices(free_device_memory=lambda d: 0, free_host_memory=lambda: 0,
                         temp_dir=lambda: str(tmp_path)) if mode == "auto" else None
     return KVStore(OffloadConfig(mode=mode, storage=storage, **fields), "cpu", host=host)
