@@ -143,7 +143,8 @@ class KVStore:
 
     def _make_plan(self, layout: LayerLayout, kept: LayerLayout, free: Tuple[Optional[int], Optional[int]]) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
-        layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
+        counted = self._expected is not None and exact > 0  # a first layer of no tokens tells no layer count
+        layers = max(1, -(-self._expected // exact)) if counted else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
         if auto:
             self._open_schedule(True)
@@ -154,7 +155,7 @@ class KVStore:
             device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
             free_device=free[0], free_host=free[1],
             pinnable=self._allocator.pin, unified=self._unified or same_pool_reason(self.device),
-            counted=self._expected is not None)
+            counted=counted)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
         if auto:
             self.mode = self.plan.mode

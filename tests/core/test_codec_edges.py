@@ -143,3 +143,16 @@ def test_error_is_the_same_at_every_magnitude(name, monkeypatch):
     # Totals of tensors 1e30 apart: the small one adds nothing measurable, and nothing overflows.
     total = add_error(codec.error(x, codec.encode(x)), codec.error(x * 1e30, codec.encode(x * 1e30)))
     assert error_summary(total)["relative"] == pytest.approx(base["relative"], rel=1e-4)
+
+
+@pytest.mark.parametrize("storage", ["exact", *LOSSY])
+def test_a_first_layer_of_no_tokens_does_not_size_the_plan(storage):
+    # The expected layer count is the cache's bytes over the first layer's: an empty one would plan a layer per byte.
+    empty = torch.empty(1, 0, 2, 32, dtype=torch.bfloat16)
+    config = OffloadConfig(mode="ram_sync", storage=storage, device_budget=2 * LAYER)
+    with KVStore(config, "cpu", expected_bytes=1 << 21) as store:  # small enough to fail fast without the guard
+        store.put(0, empty, empty)
+        for i, (k, v) in enumerate(make_layers(3), start=1):
+            store.put(i, k, v)
+        assert len(store.plan.places) <= 60 and store.stats()["plan"]["device"] >= 1
+        assert store.get(0)[0].shape == empty.shape and store.get(2)[0].shape == SHAPE
