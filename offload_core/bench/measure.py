@@ -148,7 +148,8 @@ def _kv_error(stats: list) -> dict | None:
     errors = [s["kv_error"] for s in stats if s.get("kv_error")]
     if not errors:
         return None
-    return {"max_abs": max(e["max_abs"] for e in errors), "relative": max(e["relative"] for e in errors)}
+    return {"max_abs": max(e["max_abs"] for e in errors), "relative": max(e["relative"] for e in errors),
+            "exact_layers": sum(e.get("exact_layers", 0) for e in errors)}
 
 
 def _aligned_cache_bytes(stats: dict) -> int:

@@ -95,7 +95,7 @@ class OffloadSession:
             if state is None:  # once per request: the branches of one call share the transformer
                 state = self._states[id(transformer)] = model_state(transformer, device, own=is_ours)
             described, option_tensors = plain(options or {}, "the attention kwargs")
-            check_backends(transformer)
+            check_numerics(transformer)
         except Unkeyable as exc:
             self._refuse(str(exc))
             return None
@@ -254,13 +254,18 @@ def is_ours(hook) -> bool:
 PROVEN_BACKENDS = {"native"}  # where a hit (a cached step 0) is bit-identical to an extract step 0, by test
 
 
-def check_backends(transformer) -> None:
-    """Refuses attention backends under which a hit is not proven bit-identical to a fresh request: a hit runs
-    step 0 as a cached call (target queries only), a fresh request as an extract call (every query), and a
-    backend whose kernels round differently for another number of queries (e.g. `_native_math`) changes the
-    last bits of the image although the prefix is the same."""
+def check_numerics(transformer) -> None:
+    """Refuses numerics under which a hit is not proven bit-identical to a fresh request. A hit runs step 0 as a
+    cached call (target queries only), a fresh request as an extract call (every query): under an attention
+    backend or a matmul precision whose kernels round differently for another number of rows (`_native_math`;
+    float32 matmuls in reduced precision, "high" / "medium", TF32 on a GPU) the image changes in its last bits
+    although the prefix is the same. Found by the property run (tests/diffusers/reuse_property.py)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        raise Unkeyable(f"float32 matmuls run at precision {precision!r}, under which a hit is not proven to give "
+                        "the same bits as a fresh request (set torch.set_float32_matmul_precision('highest'))")
     names = {str(getattr(_AttentionBackendRegistry.get_active_backend()[0], "value", "?"))}
     names |= {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
               for m in transformer.modules()

@@ -5,7 +5,8 @@ import pytest
 
 from simcuda import SimCuda
 
-ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement"}
+ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement", "test_codec_edges",
+           "test_plan_reasons"}
 
 
 def pytest_generate_tests(metafunc):

@@ -194,6 +194,25 @@ def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_
     assert store.closed and len(registry) == 0
 
 
+def test_an_admission_that_cannot_succeed_evicts_nothing(tmp_path):
+    small, _ = filled_store("ram_sync", tmp_path, seed=0)
+    big, _ = filled_store("ram_sync", tmp_path, seed=1, tokens=300)
+    for store in (small, big):
+        store.park()  # as admitted: without the ring's slots, which count as host RAM on a CPU
+    sizes = [reuse.store_places(s.stats())["host"] for s in (small, big)]
+    registry = PrefixRegistry({"host": sum(sizes)})
+    assert registry.admit(key(torch.zeros(1)), small) and registry.admit(key(torch.ones(1)), big)
+    reading = registry.lookup(key(torch.ones(1)))  # the big entry is in use: evicting the small one frees too little
+    other, _ = filled_store("ram_sync", tmp_path, seed=2, tokens=300)
+    assert not registry.admit(key(torch.full((1,), 2.0)), other) and other.closed
+    stats = registry.stats()
+    assert (stats["entries"], stats["evictions"], stats["rejected"]) == (2, 0, 1) and not small.closed
+    assert "in use" in stats["last_rejection"] and stats["bytes"]["host"] == sum(sizes)
+    registry.release(reading)
+    assert registry.lookup(key(torch.zeros(1))) is not None  # still served
+    registry.close()
+
+
 def test_parked_file_store_served_request_after_request_holds_no_more_host_slots(tmp_path):
     # On a CPU the file tier makes the ring's page-aligned slots and keeps them until close (a stuck read may
     # still fill one); a park that dropped them and made new ones per request would grow host RAM per hit.

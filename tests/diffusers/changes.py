@@ -18,17 +18,17 @@ def _k_weight(pipe) -> torch.nn.Parameter:
 def data_edit(pipe):
     """A weight edited through `.data` away from any sampled element: the version counter does not move."""
     weight = _k_weight(pipe)
-    saved = weight.data.clone()
+    saved = weight.data[0, 1].clone()
     weight.data[0, 1] += 0.5
-    return lambda: weight.data.copy_(saved)
+    return lambda: weight.data[0, 1].copy_(saved)  # that element only: other changes to the weight stay
 
 
 def tiny_data_edit(pipe):
     """One weight moved by one unit in the last place: float sums would round it away."""
     weight = _k_weight(pipe)
-    saved = weight.data.clone()
-    weight.data[-1, -1] = torch.nextafter(weight.data[-1, -1], torch.tensor(float("inf")))
-    return lambda: weight.data.copy_(saved)
+    saved = weight.data[-1, -1].clone()
+    weight.data[-1, -1] = torch.nextafter(saved, torch.tensor(float("inf")))
+    return lambda: weight.data[-1, -1].copy_(saved)
 
 
 def forward_hook(pipe):

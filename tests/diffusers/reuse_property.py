@@ -28,6 +28,7 @@ def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync")
     active: dict = {}
     counts = {"requests": 0, "hits": 0, "stale": 0, "wrong": 0, "refused": 0, "changes": {}}
     state = {"seed": 0, "image": 0, "prompt": "a red apple"}
+    history: list = []
     try:
         for _ in range(requests):
             # Half the requests repeat the state (a new seed at most): those are the hits; an active change is
@@ -66,6 +67,10 @@ def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync")
             counts["hits"] += hit
             counts["stale"] += hit and not same
             counts["wrong"] += (not hit) and not same
+            if not same and "first_failure" not in counts:  # what to replay: the request and the state before it
+                counts["first_failure"] = {"request": counts["requests"], "change": change, "hit": hit,
+                                           "active": sorted(active), **state, "history": history[-12:]}
+            history.append((change, sorted(active), hit))
     finally:
         for undo in active.values():
             undo()

@@ -13,7 +13,7 @@ from offload_core.diffusers import disable_kv_offload, enable_kv_offload
 from changes import CHANGES
 from reuse_helpers import BIG
 
-REFUSED = {"forward_hook", "pre_hook", "diffusers_hook", "attention_backend", "processor_attribute"}  # reuse off
+REFUSED = {"forward_hook", "pre_hook", "diffusers_hook", "attention_backend", "processor_attribute", "tf32"}  # off
 
 
 def _run(pipe, images, seed=1):
