@@ -97,3 +97,21 @@ def test_attention_kwargs_are_keyed_by_content_and_unreadable_ones_refuse(qwen_p
     assert key({"m": [mask]}).matches(key({"m": [mask.clone()]}))
     assert not key({"m": [mask]}).matches(key({"m": [other]}))
     assert key({"fn": object()}) is None and "attention kwargs" in session.refused
+
+
+def test_a_peft_lora_b_edited_through_data_is_a_miss(images):
+    """With PEFT: an adapter's `lora_B` edited in place (as a training step or a merge tool does) is a new prefix."""
+    pytest.importorskip("peft", reason="LoRA adapters need peft (pip install peft)")
+    from peft import LoraConfig
+
+    pipe = models.flux2_klein_kv_pipeline()
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                            target_modules=["to_k"]), adapter_name="a")
+    lora_b = next(p for n, p in pipe.transformer.named_parameters() if "lora_B" in n)
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+    _run(pipe, images[:1], seed=0)
+    lora_b.data[-1, -1] += 0.5
+    out = _run(pipe, images[:1])
+    assert session.reuse.stats()["hits"] == 0
+    disable_kv_offload(pipe)
+    assert np.array_equal(out, _run(pipe, images[:1]))
