@@ -13,16 +13,17 @@ FluxKVCache interplay (no double caching):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from typing import Callable, Optional
 
 from ..offload_core import Mode, OffloadConfig
+from .cache_dtype import storage_for_qwen21
 from .patches import (RefKVAttention, diffusion_model_wrapper, is_flux_kv_cache_patch, is_ours,
                       make_outer_sample_wrapper, post_input_patch)
 from .qwen21 import OPTIONS_KEY, has_prefix_cache, make_select_prefix_cache
 from .state import RUN_KEY, SPEC_KEY, RunSpec, RunState
+from .wan import attach_cache, claim_slot, has_pose_cache
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +41,14 @@ def _mib(name: str, value, zero: str) -> int:
 
 
 def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_budget_mb=None,
-                       vram_budget_mb=None, storage=None) -> OffloadConfig:
+                       vram_budget_mb=None, storage=None, ram_budget_mb=None) -> OffloadConfig:
     """The node's widgets -> a validated `OffloadConfig` (raises the engine's `ValueError`).
 
     A widget always holds a value, so options that do not apply to the picked mode are left out rather
     than rejected: prefetch depth and pin budget reach only the async tiers and `auto`, the page-cache
-    switch only the file tiers and `auto`, the VRAM budget only the streaming modes and `auto`, the storage
-    every mode but `off`. A pin budget or VRAM budget of 0 leaves it to ComfyUI / the mode.
+    switch only the file tiers and `auto`, the VRAM budget only the streaming modes and `auto`, the RAM budget
+    (overflow to files) only the RAM modes and `auto`, the storage every mode but `off`. A budget of 0 leaves
+    it to ComfyUI / the mode.
     """
     m = Mode.parse(mode)
     fields = {"mode": m}
@@ -61,34 +63,13 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
         budget = _mib("vram_budget_mb", vram_budget_mb, "let the mode decide")
         if budget and m.takes_device_budget:
             fields["device_budget"] = budget
+    if ram_budget_mb is not None:
+        budget = _mib("ram_budget_mb", ram_budget_mb, "let the mode decide")
+        if budget and m.takes_host_budget:
+            fields["host_budget"] = budget
     if storage is not None and m.takes_storage:
         fields["storage"] = storage
     return OffloadConfig(**fields)
-
-
-# ComfyUI's own Qwen-Image 2.1 cache options: dtype -> the nearest storage of ours.
-QWEN21_DTYPES = {"default": None, "int8": "int8", "int4": "int8"}
-
-
-def storage_for_qwen21(config: OffloadConfig, options: Optional[dict]) -> "tuple[OffloadConfig, Optional[str]]":
-    """Honour `options["dtype"]` of ComfyUI's Qwen-Image 2.1 cache: the config to use, and what to tell the user.
-
-    Our node's own `storage` (anything but exact) wins over it, said so; `int8` is ours; `int4` has no
-    equivalent and maps to `int8` (twice int4's bytes, half of exact). An unknown value keeps exact, said so.
-    """
-    dtype = (options or {}).get("dtype")
-    if dtype in (None, "default") or config.mode is Mode.OFF:
-        return config, None
-    if config.storage != "exact":
-        return config, (f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} is overridden by this node's storage "
-                        f"{config.storage!r}.")
-    mapped = QWEN21_DTYPES.get(dtype)
-    if mapped is None:
-        return config, (f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} is not one KV Offload knows "
-                        "(default, int8, int4); the cache stays exact. Set `storage` on the node instead.")
-    note = "" if mapped == dtype else f" (the nearest KV Offload has: {dtype} is not available, int8 keeps twice its bytes)"
-    return dataclasses.replace(config, storage=mapped), (
-        f"KV Offload: Qwen-Image 2.1 cache dtype {dtype!r} -> storage {mapped!r}{note}.")
 
 
 def validation_message(**inputs) -> "bool | str":
@@ -107,9 +88,12 @@ def validation_message(**inputs) -> "bool | str":
 
 
 def detect_family(dm) -> Optional[str]:
-    """"qwen_image21" (prefix-cache seam), "flux" (Flux / FLUX.2), "qwen_image" (Qwen-Image / -Edit) or None."""
+    """"qwen_image21" (prefix-cache seam), "wan_animate2" (pose-branch cache), "flux" (Flux / FLUX.2),
+    "qwen_image" (Qwen-Image / -Edit) or None."""
     if has_prefix_cache(dm):
         return "qwen_image21"
+    if has_pose_cache(dm):
+        return "wan_animate2"
     if hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"):
         return "flux"
     if hasattr(dm, "transformer_blocks") and hasattr(dm, "default_ref_method"):
@@ -120,7 +104,7 @@ def detect_family(dm) -> Optional[str]:
 def count_layers(dm, family: str) -> int:
     if family == "flux":
         return len(dm.double_blocks) + len(dm.single_blocks)
-    return len(dm.transformer_blocks)
+    return len(dm.blocks) if family == "wan_animate2" else len(dm.transformer_blocks)
 
 
 def _strip_patches(model) -> list:
@@ -161,7 +145,8 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
     family = detect_family(dm)
     if family is None:  # before any patch is touched: an upstream FluxKVCache keeps working
         msg = (f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack knows (FLUX.2 Klein KV, "
-               "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it); model unchanged.")
+               "Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions that have it, Wan Animate 2); "
+               "model unchanged.")
         log.warning(msg)
         return m, msg
     _decided(family, reuse and config.mode is not Mode.OFF)
@@ -186,6 +171,8 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
                                make_select_prefix_cache(original, count_layers(dm, family),
                                                         _node_reuse(m) if reuse else None))
         to[OPTIONS_KEY] = opts
+    elif family == "wan_animate2":  # ComfyUI's WanAnimate2Cache upstream: ours takes over its slot
+        config = claim_slot(to, config, notes)
     else:
         _set_ref_method(m, dm)
         if config.mode is not Mode.OFF:
@@ -254,12 +241,16 @@ def _outer_wrapper(store_factory: Callable, telemetry):
         to[RUN_KEY] = run
         if spec.family == "qwen_image21":
             to[OPTIONS_KEY] = {**(to.get(OPTIONS_KEY) or {}), RUN_KEY: run}
+        elif spec.family == "wan_animate2":
+            attach_cache(run, to, spec.n_layers)
 
     def on_start(run: RunState) -> None:
         if telemetry is not None:
             _safe(telemetry.run_started, run.run_id)
 
     def on_finish(run: RunState) -> None:
+        if getattr(run, "pose_cache", None) is not None:
+            run.pose_cache.free()  # the stores are closed already: this logs the windows' summary
         if telemetry is not None:
             _safe(telemetry.run_finished, run.run_id)
 

@@ -35,10 +35,10 @@ class KVOffloadSettings(io.ComfyNode):
             display_name="KV Offload Settings",
             category="kv_offload",
             description="Moves the reference-image attention K/V cache of FLUX.2 Klein KV, Qwen-Image, "
-                        "Qwen-Image-Edit and Qwen-Image 2.1 out of VRAM and brings each layer back just "
-                        "before it is needed. " + qwen21_support(),
+                        "Qwen-Image-Edit and Qwen-Image 2.1, and Wan Animate 2's pose-branch cache, out of VRAM "
+                        "and brings each layer back just before it is needed. " + qwen21_support(),
             inputs=[
-                io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit) or Qwen-Image 2.1 model."),
+                io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1 or Wan Animate 2 model."),
                 io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),
                 io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH,
                              tooltip="Layers copied ahead of the one being computed (ram_async, file_async, "
@@ -55,12 +55,16 @@ class KVOffloadSettings(io.ComfyNode):
                 # Optional: prompts and workflows saved before these inputs existed still validate.
                 io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
                              tooltip="Speed-VRAM dial: up to this many MiB of each cache (cond and uncond each) "
-                                     "stay in VRAM and the rest streams from the mode's place (0: the mode "
-                                     "decides; ignored by gpu and off)."),
+                                     "stay in VRAM and the rest streams from the mode's place (Wan Animate 2: "
+                                     "the whole pose cache; 0: the mode decides; ignored by gpu and off)."),
                 io.Combo.Input("storage", options=STORAGES, default="exact", optional=True,
                                tooltip="exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, "
                                        "RAM, disk and copy time for a small, measured error in the image (every "
                                        "mode but off)."),
+                io.Int.Input("ram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
+                             tooltip="ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest "
+                                     "goes to files instead of being dropped (Wan Animate 2: the whole pose cache, "
+                                     "all context windows together). 0: no cap of its own."),
                 io.Boolean.Input("reuse", default=True, optional=True,
                                  tooltip="Keep the prefix K/V in RAM or files after the run and reuse it when the "
                                          "same prompt, references and size come again, so a new seed skips the "
@@ -79,8 +83,9 @@ class KVOffloadSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
-                storage="exact", reuse=True) -> io.NodeOutput:
-        config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage)
+                storage="exact", reuse=True, ram_budget_mb=0) -> io.NodeOutput:
+        config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage,
+                                    ram_budget_mb)
         # the readout tags this node's runs with its id, so the node shows its own run
         telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if TELEMETRY is not None and cls.hidden else TELEMETRY
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,

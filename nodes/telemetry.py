@@ -4,6 +4,7 @@ Lifecycle, driven by the model patches (never by a thread of our own):
 
     TELEMETRY.run_started(run_id, node)  # one push ("start"), tracked stores cleared; node: the Settings node's id
     TELEMETRY.track(name, store)      # a KVStore serving this run (held weakly); opens a "capture" mark
+    TELEMETRY.track_section(key, obj)  # an object whose `summary()` is shown under payload[key] (the pose cache)
     TELEMETRY.step()                  # before each diffusion-model forward
     TELEMETRY.progress()              # inside a forward, e.g. after each captured layer
     TELEMETRY.forward_done()          # after each forward: refreshes every store's figures, closes the capture
@@ -28,7 +29,8 @@ Payload (version `v` = 1; every unknown value is `None`, never -1):
     memory: `offload_core.memory_snapshot()` as is (it says which figures are this process, which the device),
     stores: one entry per tracked store, cond before uncond: its `stats()` without any path (no `file_dir`;
             `on_disk` instead) plus bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
-    totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s.
+    totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s,
+    animate2_cache (Wan Animate 2 only): {windows, hits, fills, evictions, per_window: {name: readout line}}.
 """
 
 from __future__ import annotations
@@ -83,6 +85,15 @@ def _reuse_snapshot() -> Optional[dict]:
         return REUSE.snapshot()
     except Exception:  # the readout must never break sampling
         log.debug("reuse snapshot failed", exc_info=True)
+        return None
+
+
+def _summary(ref) -> Optional[dict]:
+    obj = ref()
+    try:
+        return obj.summary() if obj is not None else None
+    except Exception:  # the readout must never break sampling
+        log.debug("summary() of a readout section failed", exc_info=True)
         return None
 
 
@@ -163,6 +174,7 @@ class TelemetryHub:
         self._node: Optional[str] = None
         self._marks: list = []        # [{what, start_s, end_s}] of the current run
         self._capture: Optional[dict] = None  # the open capture mark
+        self._sections: dict = {}     # payload key -> weakref to an object with summary()
 
     def set_device(self, device) -> None:
         """Report memory of `device` (e.g. ComfyUI's torch device) when no tracked store names one."""
@@ -190,6 +202,7 @@ class TelemetryHub:
             self._last_stats.clear()
             self._marks = []
             self._capture = None
+            self._sections.clear()
             self._push(self._build("start"))
 
     def track(self, name: str, store: Any) -> None:
@@ -205,6 +218,12 @@ class TelemetryHub:
             if self._capture is None:  # a new store is being filled: this forward captures
                 self._capture = {"what": "capture", "start_s": self._elapsed(), "end_s": None}
                 self._marks.append(self._capture)
+
+    def track_section(self, key: str, obj: Any) -> None:
+        """Show `obj.summary()` (a plain dict) under `key` in this run's payloads, the final one included."""
+        with self._lock:
+            if self._run_id is not None:
+                self._sections[str(key)] = weakref.ref(obj)
 
     def step(self) -> None:
         """Count one forward (called before it runs); push when the rate limit allows."""
@@ -251,6 +270,7 @@ class TelemetryHub:
             self._last_stats.clear()
             self._last_push = None
             self._marks = []
+            self._sections.clear()
 
     def snapshot(self) -> dict:
         """The latest pushed payload; before any run, a fresh idle one (not stored, nothing sent)."""
@@ -319,6 +339,7 @@ class TelemetryHub:
             "stores": stores,
             "totals": totals(stores, self._forwards),
             "reuse": _reuse_snapshot(),
+            **{key: _summary(ref) for key, ref in self._sections.items()},
         }
 
     def _build(self, event: str) -> dict:

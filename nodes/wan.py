@@ -1,0 +1,233 @@
+"""Wan Animate 2: the pose branch's per-block cache served by our stores.
+
+ComfyUI (v0.33, `comfy/ldm/wan/model_animate2.py`) reads `transformer_options["animate2_cache"]` in the
+Wan Animate 2 forward and, when the forward carries pose latents, calls `select(pose_latents)`, then
+`filled(num_blocks)`; on a filling pass `put(i, x_pose)` with each block's pose-branch input (B, L, dim);
+on a cached pass `take(i, device, dtype, batch_size)` -> (batch_size, L, dim) and `prefetch(i + 1, device,
+dtype)` before block i's compute. Under context windows a filling pass puts every block first and then
+reads them all back in the same forward. ComfyUI's own `PoseBranchCache` (made by the `WanAnimate2Cache`
+node) keeps one slot per pose sequence -- one per context window -- keyed on batch row 0 of the pose
+latents and stores row 0 only (`x_pose[:1]`), repeated to the batch on read.
+
+`PoseStoreCache` keeps that contract with one engine `KVStore` per slot (window), alive for one sampling
+run: the row-0 input is split along its tokens into the store's two tensors and joined again on read, so
+every lossless mode returns the very bytes that were put. The node's budgets cover the pose cache as a
+whole (all windows together): a window gets what the windows before it left of the RAM and VRAM budgets,
+and what overflows the RAM budget goes to files instead of being evicted. Windows are evicted (least
+recently used first, counted) only when the place the mode keeps them in has no room for one more.
+
+No ComfyUI import.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from ..offload_core import OffloadConfig
+from .cache_dtype import storage_for_cache_dtype
+from .patches import repeat_to_batch_size
+from .state import Branch
+from .wan_windows import Window, place_room, window_config, window_line
+
+log = logging.getLogger(__name__)
+
+CACHE_KEY = "animate2_cache"  # transformer_options key the Wan Animate 2 model reads
+LABEL = "WanAnimate2Cache"
+MARGIN = 1.5  # ComfyUI's own estimate for the next slot: the largest filled one, times 1.5
+
+
+def has_pose_cache(dm) -> bool:
+    """True for a Wan Animate 2 diffusion model (its pose branch reads `animate2_cache`)."""
+    return callable(getattr(dm, "rope_encode_pose", None)) and hasattr(dm, "blocks")
+
+
+def is_ours(cache) -> bool:
+    return isinstance(cache, PoseStoreCache)
+
+
+def claim_slot(to: dict, config: OffloadConfig, notes: list) -> OffloadConfig:
+    """Remove ComfyUI's own pose cache from `to` (our clone's options); honour its dtype, say so in `notes`."""
+    theirs = to.pop(CACHE_KEY, None)
+    if theirs is None or is_ours(theirs):
+        return config
+    config, note = storage_for_cache_dtype(config, getattr(theirs, "dtype", None), LABEL)
+    said = [f"KV Offload: {LABEL} found upstream; its pose cache is replaced by mode {config.mode.value}.",
+            *([note] if note else [])]
+    for line in said:
+        log.warning(line)
+    notes.extend(said)
+    return config
+
+
+def attach_cache(run, to: dict, n_blocks: int) -> "PoseStoreCache":
+    """Put this run's cache into the run's options; a ComfyUI cache set after our node is taken over too."""
+    theirs = to.get(CACHE_KEY)
+    if theirs is not None and not is_ours(theirs):
+        run.config, note = storage_for_cache_dtype(run.config, getattr(theirs, "dtype", None), LABEL)
+        log.warning("KV Offload: %s is applied after KV Offload Settings; KV Offload serves its slot in mode %s "
+                    "for this run.%s", LABEL, run.config.mode.value, f" {note}" if note else "")
+    cache = to[CACHE_KEY] = run.pose_cache = PoseStoreCache(run, n_blocks)
+    return cache
+
+
+class PoseStoreCache:
+    """ComfyUI's `PoseBranchCache` contract over one run's stores: select / filled / put / prefetch / take / free.
+
+    Windows are kept in LRU order (most recently selected last). `hits` counts selects served by a filled
+    window, `fills` windows filled, `evictions` windows dropped to make room. After the run stands down (a
+    full disk, multi-GPU threads) nothing is stored: `filled` is False and a window prepass is served from
+    the model's own tensors, so the model recomputes as without a cache.
+    """
+
+    def __init__(self, run, n_blocks: int):
+        self.run, self.n_blocks = run, n_blocks
+        self.windows: list = []
+        self.slot: Optional[Window] = None
+        self.hits = self.fills = self.evictions = 0
+        self._fresh: dict = {}  # block -> tensor, only while stood down
+        self._count = 0
+        self._final: Optional[dict] = None
+        self._shown = False
+
+    # -- the model's calls ---------------------------------------------------------------------------------
+    def select(self, pose_latents: torch.Tensor) -> None:
+        if not self._shown:  # the run has started by the first forward: the readout shows it from now on
+            self._shown = True
+            self._show()
+        self._fresh.clear()
+        if self.slot is not None:
+            self._bytes(self.slot)  # the figures of the forward that used it, kept for the end-of-run line
+        self.slot = None
+        if self.run.stood_down or self.run.closed:
+            return
+        key = pose_latents[:1]  # ComfyUI keys on batch row 0: a cond batch size change mid-run stays valid
+        for w in self.windows:
+            if w.key.shape == key.shape and torch.equal(w.key, key.to(w.key.device)):
+                if self._complete(w):
+                    self.windows.remove(w)
+                    self.windows.append(w)
+                    w.hits += 1
+                    self.hits += 1
+                    self.slot = w
+                    return
+                self._drop(w)  # a fill that did not finish (interrupt, error): never serve it, start over
+                break
+        self._make_room()
+        self._count += 1
+        w = Window(key.detach().clone(), ("pose", self._count), f"pose {self._count}")
+        self.run.branches[w.sid] = Branch(name=w.name)
+        self.windows.append(w)
+        self.slot = w
+
+    def filled(self, num_blocks: int) -> bool:
+        branch = self.run.branches.get(self.slot.sid) if self.slot is not None else None
+        return branch is not None and len(branch.layers) == num_blocks
+
+    def put(self, i: int, x_pose: torch.Tensor) -> None:
+        """x_pose: (B, L, dim) input of block i; row 0 is stored (the store takes its own copy)."""
+        t = x_pose[:1]
+        w = self.slot
+        if w is None or self.run.stood_down:
+            self._fresh[i] = t
+            return
+        branch = self.run.branches[w.sid]
+        if branch.store is None:
+            self._open_store(w, branch, t)
+        half = (t.shape[1] + 1) // 2
+        self.run.put(w.sid, i, t[:, :half], t[:, half:], label=w.name)
+        if self.run.stood_down:  # the store could not take it (disk full): recompute from here on
+            self._fresh[i] = t
+        elif len(branch.layers) == self.n_blocks:
+            self.fills += 1
+
+    def prefetch(self, i: int, device=None, dtype=None) -> None:
+        """Nothing to do: each store learned the block order while filling and loads block i + 1 ahead
+        (on its side stream, behind block i's compute) when block i is taken."""
+        return None
+
+    def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
+        t = self._fresh.pop(i, None)
+        if t is None:
+            if self.slot is None or self.run.stood_down:
+                raise RuntimeError(
+                    f"KV Offload: the pose cache of block {i} is gone ({self.run.stood_down or 'no window selected'}) "
+                    "in the middle of a context-window pass. Free disk space or pick a RAM mode, and run again.")
+            k, v = self.run.get(self.slot.sid, i)
+            t = torch.cat([k, v], dim=1)  # a copy: the store's buffers are reused by its next get
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return repeat_to_batch_size(t, batch_size)
+
+    def free(self) -> None:
+        """Drop every window (their stores close: files deleted, pinned memory returned). Idempotent."""
+        if self._final is None:
+            self._final = self.summary()
+            if self._final["per_window"]:
+                log.info("KV Offload: pose cache, %d fills, %d hits, %d evictions: %s", self.fills, self.hits,
+                         self.evictions, "; ".join(self._final["per_window"].values()))
+        self._fresh.clear()
+        for w in list(self.windows):
+            self.run._drop(w.sid)
+        self.windows, self.slot = [], None
+
+    def _show(self) -> None:
+        track = getattr(self.run.telemetry, "track_section", None)
+        if callable(track):
+            try:
+                track(CACHE_KEY, self)
+            except Exception:  # the readout must never break sampling
+                log.debug("telemetry.track_section failed", exc_info=True)
+
+    # -- budgets and room ----------------------------------------------------------------------------------
+    def _complete(self, w: Window) -> bool:
+        branch = self.run.branches.get(w.sid)
+        return branch is not None and len(branch.layers) == self.n_blocks
+
+    def _drop(self, w: Window) -> None:
+        self.windows.remove(w)
+        self.run._drop(w.sid)
+
+    def _open_store(self, w: Window, branch: Branch, t: torch.Tensor) -> None:
+        run = self.run
+        config = window_config(run.config, [self._bytes(o) for o in self.windows if o is not w])
+        branch.store = run.store_factory(config, t.device, host=run.host, name=w.name,
+                                         expected_bytes=t.numel() * t.element_size() * self.n_blocks)
+        run._track(w.name, branch.store)
+        w.store = branch.store
+
+    def _bytes(self, w: Window) -> dict:
+        """The window's bytes per place (refreshed while its store is open)."""
+        if w.store is not None and not w.store.closed:
+            w.bytes = dict(w.store.stats()["bytes"])
+        return w.bytes
+
+    def _make_room(self) -> None:
+        """Evict least recently used windows while the mode's place has no room for one more."""
+        sizes = [sum(v for v in self._bytes(w).values() if v) for w in self.windows]
+        need = max(sizes, default=0) * MARGIN
+        while self.windows and need > 0:
+            room = place_room(self.run.config, self.run.host, self._device())
+            if room is None or room >= need:
+                return
+            w = self.windows[0]
+            log.info("KV Offload: pose cache %s evicted (%s bytes free where it is kept, %d needed)",
+                     w.name, room, int(need))
+            self._drop(w)
+            self.evictions += 1
+
+    def _device(self) -> Optional[torch.device]:
+        for w in self.windows:
+            branch = self.run.branches.get(w.sid)
+            if branch is not None and branch.store is not None:
+                return branch.store.device
+        return None
+
+    def summary(self) -> dict:
+        """What the readout shows of the pose cache: totals, and one line per window kept."""
+        if self._final is not None:
+            return self._final
+        return {"windows": len(self.windows), "hits": self.hits, "fills": self.fills, "evictions": self.evictions,
+                "per_window": {w.name: window_line(w) for w in self.windows}}
