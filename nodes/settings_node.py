@@ -61,14 +61,15 @@ class KVOffloadSettings(io.ComfyNode):
                                tooltip="exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, "
                                        "RAM, disk and copy time for a small, measured error in the image (every "
                                        "mode but off)."),
-                io.Int.Input("ram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
-                             tooltip="ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest "
-                                     "goes to files instead of being dropped (Wan Animate 2: the whole pose cache, "
-                                     "all context windows together). 0: no cap of its own."),
                 io.Boolean.Input("reuse", default=True, optional=True,
                                  tooltip="Keep the prefix K/V in RAM or files after the run and reuse it when the "
                                          "same prompt, references and size come again, so a new seed skips the "
                                          "fill pass (exact only for Qwen-Image 2.1; off for the others)."),
+                # After `reuse`: saved workflows list widget values by position, so a new input goes last.
+                io.Int.Input("ram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
+                             tooltip="ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest "
+                                     "goes to files instead of being dropped (Wan Animate 2: the whole pose cache, "
+                                     "all context windows together). 0: no cap of its own."),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
             hidden=[io.Hidden.unique_id],  # the memory readout shows this node's own run

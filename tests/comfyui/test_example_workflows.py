@@ -34,8 +34,9 @@ NEWER_COMFYUI = {  # node -> (why it is missing here, the slot types the workflo
                                "outputs": ["CONDITIONING", "CONDITIONING", "LATENT"]}),
 }
 ONLY_ON_NEWER = {"qwen_image_21": {"TextEncodeQwenImage21"}}  # the workflows that need a newer ComfyUI
-LINK_TYPES = {"MODEL", "CLIP", "VAE", "IMAGE", "MASK", "LATENT", "CONDITIONING", "GUIDER", "SAMPLER", "SIGMAS", "NOISE"}
-FILE_WIDGETS = {"unet_name", "clip_name", "vae_name", "image"}  # lists of files that are absent in the test ComfyUI
+LINK_TYPES = {"MODEL", "CLIP", "VAE", "IMAGE", "MASK", "LATENT", "CONDITIONING", "GUIDER", "SAMPLER", "SIGMAS", "NOISE",
+              "CLIP_VISION", "CLIP_VISION_OUTPUT", "VIDEO", "AUDIO"}
+FILE_WIDGETS = {"unet_name", "clip_name", "vae_name", "image", "file"}  # lists of files that are absent in the test ComfyUI
 
 
 def _load(name: str) -> dict:
@@ -72,7 +73,7 @@ def _widget_names(spec: dict) -> list:
             names.append(name)
             if options.get("control_after_generate"):
                 names.append("control_after_generate")
-            if options.get("image_upload"):
+            if options.get("image_upload") or options.get("video_upload"):
                 names.append("upload")
     return names
 
