@@ -225,3 +225,19 @@ def test_the_ram_budget_input_reaches_the_ram_modes_only():
     assert config_from_inputs("ram_sync", ram_budget_mb=0).host_budget is None  # 0: no cap of its own
     assert "`ram_budget_mb` must be a whole number of MiB >= 0; got -1" in validation_message(mode="auto",
                                                                                              ram_budget_mb=-1)
+
+
+def test_a_full_disk_while_filling_falls_back_to_recompute(mount_tmpfs, tmp_path, caplog):
+    where = mount_tmpfs("12k")  # the lock file and one block file fit, the next does not
+    with caplog.at_level(logging.WARNING):
+        ours = drive(where, "file_sync", 3.0)
+    assert Spy.made and all(s.closed for s in Spy.made) and files_in(where) == []
+    assert "the cache files could not be written" in caplog.text
+    assert torch.equal(ours, drive(tmp_path, None, 3.0))
+
+
+def test_a_full_disk_in_a_window_prepass_stops_with_the_fix(mount_tmpfs, tmp_path):
+    where = mount_tmpfs("28k")  # the prepass has put blocks the store can no longer serve
+    with pytest.raises(RuntimeError, match="Free disk space or pick a RAM mode"):
+        drive(where, "file_sync", 3.0, WINDOWS)
+    assert Spy.made and all(s.closed for s in Spy.made) and files_in(where) == []
