@@ -3,7 +3,7 @@
 `main.py --cpu` on 127.0.0.1 (a free port), with the pack and the test-only nodes made visible through
 `--extra-model-paths-config` (a YAML with `custom_nodes:` pointing at a temp dir of symlinks), every
 ComfyUI directory (temp, output, input, user) under a temp base directory, an in-memory database, and a
-tiny random FLUX.2 checkpoint written at start-up. Skipped, with the reason, when COMFYUI_PATH is unset.
+tiny random FLUX.2 and Wan Animate 2 checkpoints written at start-up. Skipped, with the reason, when COMFYUI_PATH is unset.
 """
 
 from __future__ import annotations
@@ -111,6 +111,8 @@ def comfy(tmp_path_factory):
     (custom / "kv_offload_testnodes").symlink_to(HERE / "testnodes", target_is_directory=True)
     subprocess.run([python, str(HERE / "make_tiny_flux2.py"), str(comfy_path), str(models / "tiny_flux2.safetensors")],
                    check=True, cwd=tmp, capture_output=True, timeout=300)
+    subprocess.run([python, str(HERE / "make_tiny_wan_animate2.py"), str(comfy_path),
+                    str(models / "tiny_wan_animate2.safetensors")], check=True, cwd=tmp, capture_output=True, timeout=300)
     config = tmp / "extra_model_paths.yaml"
     config.write_text(f"kv_offload_tests:\n  base_path: {tmp}\n  custom_nodes: custom_nodes\n"
                       "  diffusion_models: models/diffusion_models\n")

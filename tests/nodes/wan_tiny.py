@@ -144,7 +144,7 @@ class ComfyPoseCache:
 
 
 def windows_of(frames: int, length: int, overlap: int) -> list:
-    """Static windows over `frames` latent frames (ComfyUI's `static_standard`: the same windows every step)."""
+    """Static windows over `frames` latent frames (ComfyUI's `standard_static`: the same windows every step)."""
     out, start = [], 0
     while True:
         end = min(start + length, frames)

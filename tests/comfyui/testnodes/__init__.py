@@ -72,6 +72,57 @@ class KVOffloadTestTinyQwenImage:
                                                  offload_device=mm.unet_offload_device()),)
 
 
+class KVOffloadTestPoseConditioning:
+    """Seeded random pose-video latents and the pose prompt on a conditioning (what `WanAnimate2ToVideo` sets).
+
+    Wire the positive's output into the negative's `pose_prompt` so both carry the positive's prompt for the
+    pose branch, as `WanAnimate2ToVideo` does."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"conditioning": ("CONDITIONING",),
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
+                             "frames": ("INT", {"default": 4, "min": 1, "max": 64}),
+                             "height": ("INT", {"default": 4, "min": 1, "max": 1024}),
+                             "width": ("INT", {"default": 4, "min": 1, "max": 1024})},
+                "optional": {"pose_prompt": ("CONDITIONING",)}}
+
+    def make(self, conditioning, seed, frames, height, width, pose_prompt=None):
+        g = torch.Generator().manual_seed(seed)
+        pose = torch.randn(1, 16, frames, height, width, generator=g)
+        prompt = (pose_prompt or conditioning)[0][0]
+        return ([[c, {**opts, "pose_video_latent": pose, "cross_attn_pose": prompt}] for c, opts in conditioning],)
+
+
+class KVOffloadTestFailAt:
+    """Raises RuntimeError in the `calls`-th call of a `double_block` patch: an error in the middle of a run."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "calls": ("INT", {"default": 8, "min": 1, "max": 1 << 20})}}
+
+    def make(self, model, calls):
+        seen = [0]
+
+        def patch(args):
+            seen[0] += 1
+            if seen[0] == calls:
+                raise RuntimeError("test failure in the middle of sampling")
+            return {"img": args["img"]}
+
+        m = model.clone()
+        m.set_model_patch(patch, "double_block")
+        return (m,)
+
+
 class KVOffloadTestMode:
     """A mode as a link (what a primitive or a switch node feeds a combo input)."""
 
@@ -92,4 +143,6 @@ NODE_CLASS_MAPPINGS = {
     "KVOffloadTestConditioning": KVOffloadTestConditioning,
     "KVOffloadTestLatent": KVOffloadTestLatent,
     "KVOffloadTestTinyQwenImage": KVOffloadTestTinyQwenImage,
+    "KVOffloadTestPoseConditioning": KVOffloadTestPoseConditioning,
+    "KVOffloadTestFailAt": KVOffloadTestFailAt,
 }
