@@ -131,7 +131,9 @@ class PoseStoreCache:
         t = x_pose[:1]
         w = self.slot
         if w is None or self.run.stood_down:
-            self._fresh[i] = t
+            # A context-window prepass reads these back in this forward; a copy of row 0, not a view that would
+            # keep every block's whole batch alive until the next select.
+            self._fresh[i] = t.clone()
             return
         branch = self.run.branches[w.sid]
         if branch.store is None:
@@ -139,7 +141,7 @@ class PoseStoreCache:
         half = (t.shape[1] + 1) // 2
         self.run.put(w.sid, i, t[:, :half], t[:, half:], label=w.name)
         if self.run.stood_down:  # the store could not take it (disk full): recompute from here on
-            self._fresh[i] = t
+            self._fresh[i] = t.clone()
         elif len(branch.layers) == self.n_blocks:
             self.fills += 1
 
