@@ -12,7 +12,8 @@ the same code runs with every fence already complete.
 
 With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
 tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
-copy it reads: resident layers too are kept encoded and decoded into a slot.
+copy it reads: resident layers too are kept encoded and decoded into a slot. A layer whose batch rows are
+identical is kept as one row the same way (`rows.py`: dedup first, then the codec) and broadcast into the slot.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
+from .rows import RowDedup, expand_into, staged
 from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
@@ -95,6 +97,8 @@ class KVStore:
         self._ring: Optional[SlotRing] = None
         self._layouts: Dict[Hashable, LayerLayout] = {}
         self._kept: Dict[Hashable, LayerLayout] = {}
+        self._rows: Dict[Hashable, int] = {}  # layers kept as one row: the rows they are served as
+        self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
         self._owner: Optional[threading.Thread] = None
@@ -125,13 +129,14 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None)
+        layers = Layers(self._layouts, self._kept, self._where, self._resident, self._rows,
+                        coded=self._codec is not None)
         self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
-    def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
+    def _make_plan(self, layout: LayerLayout, kept: LayerLayout, rows: int) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
         layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
@@ -140,7 +145,7 @@ class KVStore:
         budget = pin_room(self.config.pin_budget, host_pins=self._host.pin is not None)
         figures = Figures(
             layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
-            slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
+            slot_bytes=layout.data_bytes + (kept.data_bytes if staged(self._codec is not None, rows) else 0),
             device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
             free_device=free_device_memory(self.device, self._host) if auto else None,
             free_host=free_host_memory(self._host) if auto else None,
@@ -212,19 +217,20 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         layout = layout_for(k, v)
+        k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, on the device
         if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
             ek, ev = self._codec.encode(k), self._codec.encode(v)
             for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
                 self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
             k, v = ek, ev
-            kept = layout_for(k, v)
-        else:
-            kept = layout
+        kept = layout_for(k, v) if staged(self._codec is not None, rows) else layout
         if self.plan is None:
-            self._make_plan(layout, kept)
+            self._make_plan(layout, kept, rows)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
         self._tier(place).store(key, k, v, kept)
         self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
+        if rows > 1:
+            self._rows[key] = rows
         self._order.add(key)
         if place == DEVICE:
             self._used[DEVICE] += kept.data_bytes
@@ -249,7 +255,7 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        direct = key in self._resident and self._codec is None
+        direct = key in self._resident and not staged(self._codec is not None, self._rows.get(key, 1))
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
@@ -276,8 +282,8 @@ class KVStore:
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
-        if self._codec is not None:
-            self._decode(key, slot)
+        if staged(self._codec is not None, self._rows.get(key, 1)):
+            self._expand(key, slot)
         ring.current = slot
         return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
 
@@ -293,15 +299,13 @@ class KVStore:
             self._ring.release_current()  # an offloaded tier reloads the layer clean next time
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
-    def _decode(self, key: Hashable, slot: Slot) -> None:
+    def _expand(self, key: Hashable, slot: Slot) -> None:
         # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
-        # next load waits for the release fence recorded after this decode and the kernels reading its output.
-        kept = self._kept[key]
+        # next load waits for the release fence recorded after this decode / broadcast and the kernels reading
+        # its output.
         try:
-            source = self._tiers[DEVICE].view(key) if key in self._resident else views(slot.coded, kept)
-            out_k, out_v = views(slot.buffer, self._layouts[key])
-            self._codec.decode(source[0], out_k)
-            self._codec.decode(source[1], out_v)
+            source = self._tiers[DEVICE].view(key) if key in self._resident else views(slot.coded, self._kept[key])
+            expand_into(self._streams, self._codec, source, slot.buffer, self._layouts[key], self._rows.get(key, 1))
         except BaseException:
             slot.key = None
             raise
