@@ -144,7 +144,7 @@ class OffloadConfig:
 
     @property
     def dedups(self) -> bool:
-        """Whether stores keep layers with identical batch rows as one row (`rows.py`)."""
+        """Whether stores keep layers with identical batch rows as one row (`dedup.py`)."""
         return self.dedup is not False
 
     @property

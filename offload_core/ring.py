@@ -16,7 +16,7 @@ import torch
 from .devices import DONE, Streams
 from .layout import LayerLayout
 from .plan import FILE
-from .rows import staged
+from .dedup import staged
 from .stats import StoreStats
 from .tiers import Pending, Tier
 

@@ -98,5 +98,5 @@ class StoreStats:
             "plan": store.placement(),
             "storage": store.config.storage,
             "kv_error": store.kv_error(),
-            "dedup": store.dedup.as_dict(),  # identical batch rows kept once (rows.py)
+            "dedup": store.dedup.as_dict(),  # identical batch rows kept once (dedup.py)
         }

@@ -13,7 +13,7 @@ the same code runs with every fence already complete.
 With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
 tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
 copy it reads: resident layers too are kept encoded and decoded into a slot. A layer whose batch rows are
-identical is kept as one row the same way (`rows.py`: dedup first, then the codec) and broadcast into the slot.
+identical is kept as one row the same way (`dedup.py`: dedup first, then the codec) and broadcast into the slot.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
-from .rows import RowDedup, expand_into, staged
+from .dedup import RowDedup, expand_into, staged
 from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified

@@ -5,7 +5,7 @@ import pytest
 
 from simcuda import SimCuda
 
-ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement", "test_rows"}
+ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement", "test_dedup"}
 
 
 def pytest_generate_tests(metafunc):

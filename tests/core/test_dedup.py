@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
-from offload_core.rows import identical_rows
+from offload_core.dedup import identical_rows
 
 # One row of K (or V): 256 KiB in fp32, 128 KiB in bf16, so that what a place adds per layer or per store (a
 # file's 4 KiB header, the write staging) stays within the 1 % of slack the kept bytes are allowed.
