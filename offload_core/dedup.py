@@ -20,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from .layout import LayerLayout, views
+from .layout import LayerLayout, layout_for, views
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integers, by element size
 
@@ -84,25 +84,33 @@ class RowDedup:
                 "rows_kept": self.rows_kept, "saved_bytes": self.saved_bytes, "check_s": self.check_s}
 
 
+def served_layout(k: torch.Tensor, v: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor) -> LayerLayout:
+    """The slot layout of a layer kept as one row (`row_k`, `row_v`), served as `k`, `v`: as `layout_for(k, v)`,
+    but with V starting after the row's bytes as kept, so a tier copies the row into the slot's start (K's row
+    lands where K's row 0 goes) and `expand_into` broadcasts it there without a staging buffer."""
+    row = layout_for(row_k, row_v)
+    return layout_for(k, v, v_from=row.v.offset + row.v.nbytes)
+
+
 def expand_into(streams, codec, source: Tuple[torch.Tensor, torch.Tensor], slot: torch.Tensor,
                 layout: LayerLayout, rows: int) -> None:
     """Writes the layer as served (`layout`, B = `rows`) into the ring slot `slot` from `source`, the layer as
     kept: decoded by `codec` when there is one, broadcast from one row when `rows` > 1.
 
-    Queued on the current stream, which the caller has ordered after the copy that filled `source`; the slot's
-    next load waits for the release fence recorded after the consumer's kernels that read it."""
-    for src, out in zip(source, views(slot, layout)):
-        if codec is None:
+    `source` may lie in `slot` itself (a streamed row without a codec, laid out by `served_layout`): then V's
+    row sits inside K's rows 1.., and K's row where row 0 goes. So V goes first, and K's row is broadcast to rows
+    1.. only. Queued on the current stream, which the caller has ordered after the copy that filled `source`;
+    the slot's next load waits for the release fence recorded after the consumer's kernels that read it."""
+    out_k, out_v = views(slot, layout)
+    for src, out in ((source[1], out_v), (source[0], out_k)):
+        if codec is not None:
+            first = out[:1] if rows > 1 else out
+            codec.decode(src, first)
+        elif src.data_ptr() == out.data_ptr():  # K's row, already in place as row 0
+            first = out[:1]
+        else:
             streams.copy(out, src.expand_as(out))
             continue
-        first = out[:1] if rows > 1 else out
-        codec.decode(src, first)
         if rows > 1:
             rest = out[1:]
             streams.copy(rest, first.expand_as(rest))
-
-
-def staged(coded: bool, rows: int) -> bool:
-    """Whether a layer's bytes as kept differ from the slot's as served (`coded`: a codec encodes them; `rows`:
-    served as that many copies of one row): the tier loads them into staging, `expand_into` fills the slot."""
-    return coded or rows > 1

@@ -16,7 +16,6 @@ import torch
 from .devices import DONE, Streams
 from .layout import LayerLayout
 from .plan import FILE
-from .dedup import staged
 from .stats import StoreStats
 from .tiers import Pending, Tier
 
@@ -27,7 +26,7 @@ class Slot:
     def __init__(self) -> None:
         self.buffer: Optional[torch.Tensor] = None  # the layer as served (the dtype put)
         self.typed: Dict[torch.dtype, torch.Tensor] = {}  # `buffer` viewed as each dtype served (layout.typed_views)
-        self.coded: Optional[torch.Tensor] = None  # staging: the bytes as kept (encoded, one row) a tier copies in
+        self.coded: Optional[torch.Tensor] = None  # with a codec: the encoded bytes a tier copies in
         self.key: Optional[Hashable] = None
         self.pending = Pending()
         self.release = DONE
@@ -40,12 +39,7 @@ class Layers:
     kept: Dict[Hashable, LayerLayout]  # as stored (encoded, with a codec)
     where: Dict[Hashable, str]  # the place of each layer
     resident: Set[Hashable]  # kept on the device, served without a load
-    rows: Dict[Hashable, int]  # layers kept as one row: the rows they are broadcast to at `get`
     coded: bool  # a codec decodes into the slot at `get`
-
-    def staged(self, key: Hashable) -> bool:
-        """Loaded into the slot's staging buffer (`coded`), then decoded / broadcast into its `buffer`."""
-        return staged(self.coded, self.rows.get(key, 1))
 
 
 class SlotRing:
@@ -88,14 +82,13 @@ class SlotRing:
     def load(self, key: Hashable, slot: Slot) -> Slot:
         layers = self._layers
         layout, kept = layers.layouts[key], layers.kept[key]
-        into_staging = layers.staged(key)
-        coded = kept.data_bytes if into_staging and key not in layers.resident else 0
+        coded = kept.data_bytes if layers.coded and key not in layers.resident else 0
         self._fit(slot, layout.data_bytes, coded)
         slot.key = None  # set only once the load is queued: a failed load must never be served
         if key in layers.resident:
             slot.pending = Pending()  # decoded at `get` straight from the resident bytes: nothing to copy
         else:
-            target = slot.coded if into_staging else slot.buffer
+            target = slot.coded if layers.coded else slot.buffer
             slot.pending = self._tiers[layers.where[key]].load(key, target, slot.release)
             self._stats.count_transfer(kept.data_bytes)
         slot.key = key

@@ -34,7 +34,7 @@ from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
-from .dedup import RowDedup, expand_into, staged
+from .dedup import RowDedup, expand_into, served_layout
 from .stats import StoreStats, free_device_memory, free_host_memory
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
@@ -129,14 +129,13 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        layers = Layers(self._layouts, self._kept, self._where, self._resident, self._rows,
-                        coded=self._codec is not None)
+        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None)
         self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
-    def _make_plan(self, layout: LayerLayout, kept: LayerLayout, rows: int) -> None:
+    def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
         layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
@@ -145,7 +144,7 @@ class KVStore:
         budget = pin_room(self.config.pin_budget, host_pins=self._host.pin is not None)
         figures = Figures(
             layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
-            slot_bytes=layout.data_bytes + (kept.data_bytes if staged(self._codec is not None, rows) else 0),
+            slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
             device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
             free_device=free_device_memory(self.device, self._host) if auto else None,
             free_host=free_host_memory(self._host) if auto else None,
@@ -216,16 +215,17 @@ class KVStore:
         if key in self._layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
-        layout = layout_for(k, v)
-        k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, on the device
+        whole = (k, v)
+        k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, checked on the device
+        layout = layout_for(*whole) if rows == 1 else served_layout(*whole, k, v)
         if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
             ek, ev = self._codec.encode(k), self._codec.encode(v)
             for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
                 self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
             k, v = ek, ev
-        kept = layout_for(k, v) if staged(self._codec is not None, rows) else layout
+        kept = layout if rows == 1 and self._codec is None else layout_for(k, v)
         if self.plan is None:
-            self._make_plan(layout, kept, rows)
+            self._make_plan(layout, kept)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
         self._tier(place).store(key, k, v, kept)
         self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
@@ -255,7 +255,8 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        direct = key in self._resident and not staged(self._codec is not None, self._rows.get(key, 1))
+        expands = self._codec is not None or key in self._rows  # decoded or broadcast into a slot at get
+        direct = key in self._resident and not expands
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
@@ -282,7 +283,7 @@ class KVStore:
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
-        if staged(self._codec is not None, self._rows.get(key, 1)):
+        if expands:
             self._expand(key, slot)
         ring.current = slot
         return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
@@ -300,11 +301,14 @@ class KVStore:
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
     def _expand(self, key: Hashable, slot: Slot) -> None:
-        # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
-        # next load waits for the release fence recorded after this decode / broadcast and the kernels reading
-        # its output.
+        # On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded`
+        # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
+        # broadcast and the kernels reading its output.
         try:
-            source = self._tiers[DEVICE].view(key) if key in self._resident else views(slot.coded, self._kept[key])
+            if key in self._resident:
+                source = self._tiers[DEVICE].view(key)
+            else:
+                source = views(slot.coded if self._codec is not None else slot.buffer, self._kept[key])
             expand_into(self._streams, self._codec, source, slot.buffer, self._layouts[key], self._rows.get(key, 1))
         except BaseException:
             slot.key = None
