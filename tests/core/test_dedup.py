@@ -188,3 +188,23 @@ def test_dedup_must_be_a_bool(value, match):
 def test_dedup_with_mode_off_is_refused():
     with pytest.raises(ValueError, match="`dedup` only applies where a cache is kept; mode 'off'"):
         OffloadConfig(mode="off", dedup=False)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "ram_async", "file_async"])
+def test_the_broadcast_is_ordered_between_the_copy_and_the_kernels_reading_it(make_sim, mode, tmp_path):
+    """On SimCuda's early schedule (side copies as soon as allowed, the consumer's kernels lagging): the broadcast
+    queued on the consumer's stream runs after the row's copy, before the kernels that read it, and the next load
+    into the slot waits for both."""
+    sim = make_sim("early")
+    layers = {0: batch(4, seed=0), 1: batch(2, seed=1), 2: _differs("k"), 3: batch(3, seed=3, row=(1, 9, 2, 16))}
+    with KVStore(config_for(mode, tmp_path), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        sim.synchronize()
+        seen = []
+        for key in list(layers) * 3:
+            k, v = store.get(key)
+            sim.launch(lambda k, v, key=key: seen.append((key, k.clone(), v.clone())), k, v)
+        sim.synchronize()
+    for key, k, v in seen:
+        assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1]), f"layer {key} came back wrong"
