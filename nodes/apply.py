@@ -247,6 +247,7 @@ def _outer_wrapper(store_factory: Callable, telemetry):
                 log.warning(note)
         run = RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
         run.patcher = patcher  # prefix reuse keys by the weight-patch set this run samples with
+        run.model_options = model_options  # ... and by the options that reach the forward
         return run
 
     def attach(run: RunState, spec: RunSpec, to: dict) -> None:

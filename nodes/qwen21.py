@@ -92,11 +92,12 @@ class PrefixStoreCache:
         """Select a prefix kept by an earlier run for `key` (a hit: no fill pass), else remember its reuse key."""
         from .reuse import ReusableStore
 
-        reuse_key = self.reuse.key(self.dm, key, getattr(self.run, "patcher", None))
-        entry = self.reuse.registry.lookup(reuse_key)
+        reuse_key = self.reuse.key(self.dm, key, self.run)
+        entry = self.reuse.registry.lookup(reuse_key) if reuse_key is not None else None
         if entry is None:
             self.select(key)
-            self._reuse_keys[self.slot] = reuse_key
+            if reuse_key is not None:
+                self._reuse_keys[self.slot] = reuse_key
             return False
         sid = ("qwen21", next(self._ids))
         name = self.run._unique_name("cond")
@@ -120,7 +121,9 @@ class PrefixStoreCache:
 
     def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
         t = self._fresh.pop(i, None)
-        if t is None:
+        if t is None or self.run.config.storage != "exact":
+            # Lossy storage: the filling pass attends to the decoded prefix too, as every later pass and a reuse
+            # hit do, so the image does not depend on whether the prefix was just made or kept.
             k, v = self.run.get(self.slot, i)
             t = torch.stack([k, v], dim=1)  # a copy: the store's buffers are reused by its next get
         if dtype is not None and t.dtype != dtype:

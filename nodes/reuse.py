@@ -5,7 +5,11 @@ model's own `prefix_cache_key(x, context, refs, slots)` holds (lengths, target s
 prompt embedding, reference latents) and on the model. A run that finds no slot of its own for a key asks
 `REUSE`, one process-wide `PrefixRegistry`: a hit serves a store kept by an earlier run, so that run skips its
 fill pass. The key adds the model as it affects the K/V: the diffusion model object, the patcher's weight-patch
-set (`patches_uuid`: LoRAs), its object patches other than ours, and the weights' own fingerprint. A model
+set (`patches_uuid`: LoRAs), its object patches other than ours, the weights by their full content and the
+module tree's state (`offload_core.fingerprint`), the storage the run keeps (ours, after ComfyUI's own cache
+`dtype` is mapped) and every `model_options` entry that reaches the forward. What it cannot read (another node's
+wrapper or attention override, weights offloaded to the CPU) turns reuse off for that run, and the readout says
+why. A model
 unload (`ModelPatcher.detach`, also what "free model and node cache" does) or the model object going away
 evicts its entries. Stores in files are not kept: a run's cache folder goes with the run.
 
@@ -25,7 +29,8 @@ from typing import Optional
 
 import torch
 
-from ..offload_core.reuse import PrefixKey, PrefixRegistry, describe, model_fingerprint
+from ..offload_core.fingerprint import Unkeyable, model_state, plain
+from ..offload_core.reuse import PrefixKey, PrefixRegistry, describe
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +49,39 @@ class NodeReuse:
         self.status = {"on": False, "reason": "no KV Offload Settings node has run yet"}
         self._watched: set = set()
         self._lock = threading.Lock()
+        self.refused: Optional[str] = None  # why the last run's prefix could not be keyed (reuse off for it)
+        self.key_s: Optional[float] = None  # what reading the model for the last key cost
+        self._last_warned: Optional[str] = None
 
     # -- keys ------------------------------------------------------------------------------------------------
-    def key(self, dm, key_tensor: torch.Tensor, patcher=None) -> PrefixKey:
-        """The model's prefix key plus the model's identity (see the module docstring)."""
-        patcher = patcher if patcher is not None else getattr(dm, "current_patcher", None)
+    def key(self, dm, key_tensor: torch.Tensor, run=None) -> Optional[PrefixKey]:
+        """The model's prefix key plus everything else that shapes the prefix (see the module docstring); None
+        when something that may change it cannot be read (then `refused` says what, and reuse is off)."""
+        patcher = getattr(run, "patcher", None) or getattr(dm, "current_patcher", None)
         objects = sorted((name, id(obj)) for name, obj in (getattr(patcher, "object_patches", None) or {}).items()
                          if name != OUR_PATCH)
-        identity, probe = model_fingerprint(dm)
-        header = ("qwen_image21", id(dm), str(getattr(patcher, "patches_uuid", None)), tuple(objects), identity,
-                  str(key_tensor.device))
+        try:
+            state = getattr(run, "kv_model_state", None)  # read once per run: its conds share the model
+            if state is None:
+                state = model_state(dm, key_tensor.device)
+                if run is not None:
+                    run.kv_model_state = state
+            options, tensors = forward_options(getattr(run, "model_options", None) or {})
+        except Unkeyable as exc:
+            self._refuse(str(exc))
+            return None
+        self.key_s, self.refused = state.seconds, None
+        storage = getattr(getattr(run, "config", None), "storage", None)
+        header = ("qwen_image21", id(dm), (state.identity, state.digest), str(getattr(patcher, "patches_uuid", None)),
+                  tuple(objects), str(key_tensor.device), storage, options)
         self._watch(dm)
-        return PrefixKey.build(header, [key_tensor, probe])
+        return PrefixKey.build(header, [key_tensor, *tensors])
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        if why != self._last_warned:
+            self._last_warned = why
+            log.warning("KV Offload: prefix reuse is off for this run: %s", why)
 
     def _watch(self, dm) -> None:
         with self._lock:
@@ -100,10 +126,51 @@ class NodeReuse:
         """Plain dict for the stats payload: the registry's counters, what it holds, and on/off with the reason."""
         stats = self.registry.stats()
         line = describe(stats) if self.status["on"] else f"reuse {self.status['reason']}"
-        return {**stats, "on": self.status["on"], "reason": self.status["reason"], "line": line}
+        if self.status["on"] and self.refused:
+            line += f"; off for the last run: {self.refused}"
+        return {**stats, "on": self.status["on"], "reason": self.status["reason"], "line": line,
+                "refused": self.refused, "key_s": self.key_s}
 
 
 REUSE = NodeReuse()
+
+# transformer_options entries that the prefix does not depend on: ours, and what ComfyUI sets per step or per
+# sampler (the prefix is modulated at t = 0, so sigmas and step counts do not reach it).
+OWN_OPTIONS = {"kv_offload_run", "kv_offload_spec"}
+PER_STEP_OPTIONS = {"sample_sigmas", "sigmas", "cond_or_uncond", "uuids", "total_blocks", "block_index", "block_type",
+                    "transformer_index"}
+OUR_WRAPPER = "kv_offload"
+
+
+def forward_options(model_options: dict) -> tuple:
+    """`(description, tensors)` of what in a run's `model_options` reaches the diffusion model's forward: every
+    `transformer_options` entry (attention overrides, patches, wrappers and callbacks of other nodes, ComfyUI's
+    own cache `dtype`) and a `model_function_wrapper`. Raises `Unkeyable` for what cannot be read as plain
+    values (a function, an object): reuse is then off for the run."""
+    to = dict(model_options.get("transformer_options") or {})
+    for name in OWN_OPTIONS | PER_STEP_OPTIONS:
+        to.pop(name, None)
+    cache = dict(to.pop("qwen_image21_cache", None) or {})
+    cache.pop("kv_offload_run", None)
+    to["wrappers"] = _without_ours(to.get("wrappers") or {})
+    to["callbacks"] = _without_ours(to.get("callbacks") or {})
+    for name in ("patches", "patches_replace", "wrappers", "callbacks"):
+        to[name] = {k: v for k, v in (to.get(name) or {}).items() if v}  # empty groups change nothing
+    wrapper = model_options.get("model_function_wrapper")
+    return plain({"transformer_options": to, "qwen_image21_cache": cache, "model_function_wrapper": wrapper},
+                 "the model options")
+
+
+def _without_ours(groups: dict) -> dict:
+    """A wrappers / callbacks dict ({type: {key: [fn]}}) without this pack's entries (and our reuse callback)."""
+    out = {}
+    for kind, by_key in groups.items():
+        kept = {key: [fn for fn in fns if getattr(fn, "__self__", None) is not REUSE]
+                for key, fns in (by_key or {}).items() if key != OUR_WRAPPER}
+        kept = {key: fns for key, fns in kept.items() if fns}
+        if kept:
+            out[kind] = kept
+    return out
 
 
 class ReusableStore:

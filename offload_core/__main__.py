@@ -11,9 +11,9 @@ import sys
 # name -> (module, one line for the help). Modules are imported only when their command runs.
 COMMANDS = {
     "bench": ("offload_core.bench", "the speed/memory table of every KV-cache mode on this machine"),
-    "stream": ("offload_core.bench.stream", "each tier's throughput against this machine's raw disk, RAM and PCIe "
+    "stream": ("offload_core.bench.streamcli", "each tier's throughput against this machine's raw disk, RAM and PCIe "
                "limits, and how much of it compute hides"),
-    "demo": ("offload_core.demo", "a round trip through every tier with synthetic K/V: checked, then timed"),
+    "demo": ("offload_core.democli", "a round trip through every tier with synthetic K/V: checked, then timed"),
 }
 
 

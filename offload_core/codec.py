@@ -9,16 +9,29 @@ float32 temporaries stay small next to the layer.
 
 Lossy by design: `exact` (no codec) stays the default. Measured on random normal data (tests/core/test_codec.py):
 relative error about 2.6 % for fp8 (e4m3) and 0.7 % for int8, at 0.52x the bytes of bf16 for a head dim of 128.
+
+Non-finite values: an absmax scale cannot hold a NaN or an inf (one would make its whole vector NaN, or be
+flushed to a finite number), and neither format has room to mark single elements without slowing every
+decode. `finite` says from the scales alone (no pass over the data) whether an encoding is faithful; the
+store keeps a layer that is not exactly as put instead (see `KVStore.put`), so such values neither spread
+to their neighbours nor vanish. `error` works in units of each vector's scale, so its sums stay in float32
+range for any magnitude (no float64, which MPS lacks); `error_summary` turns them into plain floats.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import logging
+from typing import Dict, Hashable, Optional, Set, Tuple
 
 import torch
 
+log = logging.getLogger(__name__)
+
 SCALE_BYTES = 4  # float32
 CHUNK_ELEMENTS = 1 << 22  # float32 temporaries of at most 16 MiB
+# The smallest normal float32: a vector of zeros (or of values below float32's normal range) gets this scale, so
+# every scale is > 0 and finite exactly when its vector is.
+TINY = torch.finfo(torch.float32).tiny
 
 
 class Codec:
@@ -39,7 +52,7 @@ class Codec:
         rows = 1
         for n in shape[:-1]:
             rows *= n
-        return rows, width
+        return (rows, width) if width else (0, 0)  # no values: nothing kept, not even scales
 
     def encoded_bytes(self, shape: Tuple[int, ...]) -> int:
         rows, width = self._rows(shape)
@@ -57,8 +70,7 @@ class Codec:
         step = max(1, CHUNK_ELEMENTS // max(width, 1))
         for start in range(0, rows, step):
             part = src[start:start + step].float()
-            amax = part.abs().amax(dim=1, keepdim=True)
-            scale = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+            scale = part.abs().amax(dim=1, keepdim=True).div_(self.qmax).clamp_min_(TINY)  # NaN stays NaN
             scaled = part / scale
             if self.qdtype is torch.int8:
                 scaled = scaled.round_().clamp_(-self.qmax, self.qmax)
@@ -77,22 +89,36 @@ class Codec:
             dst[start:start + step].copy_(part)
 
 
-    def error(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
-        """[max |x - x'|, sum (x - x')^2, sum x^2] of `x` against its encoding, as a float32 tensor on x's device.
+    def finite(self, encoded: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
+        """A 0-dim bool tensor on the device: True when every value encoded from `shape` was finite (and within
+        float32 range), i.e. the encoding is faithful. Reads the scales only: an absmax is NaN or inf exactly
+        when its vector holds a NaN or an inf."""
+        rows, width = self._rows(tuple(shape))
+        return torch.isfinite(_views(encoded, rows, width, self.qdtype)[1]).all()
 
-        Kept on the device (no host sync at `put`); the store adds them up and `stats()` reads them.
+    def error(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
+        """The error of `encoded` against `x`: a float32 tensor [S, M, E, N] on x's device (no host sync).
+
+        S is the largest scale; M = max |x - x'| / S, E = sum (x - x')^2 / S^2 and N = sum x^2 / S^2, where x'
+        is what `decode` gives back in x's dtype. Each vector is measured in units of its own scale (|x| / scale
+        <= qmax), then weighted by (scale / S)^2 <= 1, so no term overflows float32, whatever the magnitude.
+        Totals over several tensors: `add_error`; plain figures: `error_summary`.
         """
         rows, width = self._rows(tuple(x.shape))
         q, scales = _views(encoded, rows, width, self.qdtype)
         src = x.reshape(rows, width)
-        out = torch.zeros(3, dtype=torch.float32, device=x.device)
+        out = torch.zeros(4, dtype=torch.float32, device=x.device)
         step = max(1, CHUNK_ELEMENTS // max(width, 1))
         for start in range(0, rows, step):
-            ref = src[start:start + step].float()
-            diff = q[start:start + step].float().mul_(scales[start:start + step]).to(x.dtype).float().sub_(ref)
-            out[0] = torch.maximum(out[0], diff.abs().max())
-            out[1] += diff.square().sum()
-            out[2] += ref.square().sum()
+            scale = scales[start:start + step]
+            ref = src[start:start + step].float() / scale  # not in place: for float32 `x`, .float() is `x`
+            diff = q[start:start + step].float().mul_(scale).to(x.dtype).float().div_(scale).sub_(ref)
+            top = scale.max()
+            w = scale / top
+            part = torch.stack([top, (diff.abs().amax(dim=1, keepdim=True) * w).max(),
+                                (diff.square().sum(dim=1, keepdim=True) * w.square()).sum(),
+                                (ref.square().sum(dim=1, keepdim=True) * w.square()).sum()])
+            out = add_error(out, part)
         return out
 
 
@@ -109,8 +135,58 @@ def _views(flat: torch.Tensor, rows: int, width: int, qdtype: torch.dtype):
 
 
 def add_error(total: torch.Tensor, err: torch.Tensor) -> torch.Tensor:
-    """Running [max, sum, sum] of `Codec.error` results, still on the device."""
-    return torch.cat([torch.maximum(total[:1], err[:1]), total[1:] + err[1:]])
+    """Two `Codec.error` results as one, still on the device: rescaled to the larger S, so nothing overflows."""
+    top = torch.maximum(total[0], err[0]).clamp_min(TINY)
+    a, b = total[0] / top, err[0] / top
+    return torch.stack([top, torch.maximum(total[1] * a, err[1] * b),
+                        total[2] * a.square() + err[2] * b.square(), total[3] * a.square() + err[3] * b.square()])
+
+
+def error_summary(err: torch.Tensor) -> Dict[str, float]:
+    """`{"max_abs", "relative"}` (relative: ||x - x'|| / ||x||) of an `add_error` total; one host sync."""
+    top, worst, sq_err, sq_ref = err.tolist()
+    return {"max_abs": worst * top, "relative": (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0}
+
+
+class Compact:
+    """A store's codec (None: exact storage) and what it measured over the layers put."""
+
+    def __init__(self, codec: Optional[Codec], tag: str = ""):
+        self.codec, self._tag = codec, tag
+        self.total: Optional[torch.Tensor] = None  # `Codec.error` totals over every layer encoded
+        self.exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
+
+    def coded(self, key: Hashable) -> bool:
+        """Layer `key` is kept encoded (a codec, and finite K/V): `get` decodes it into a slot."""
+        return self.codec is not None and key not in self.exact
+
+    def encode(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V as the store keeps them: quantised on the device, before any byte moves, and the error
+        measured; or, where they hold a NaN or an inf, as put (`key` joins `exact`). `k` and `v` are only read."""
+        codec = self.codec
+        ek, ev = codec.encode(k), codec.encode(v)
+        # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
+        # waits for this layer's encode before it queues the next layer. Reads the scales only, not the data.
+        if not bool(codec.finite(ek, k.shape) & codec.finite(ev, v.shape)):
+            if not self.exact:
+                log.warning("%s: layer %r holds NaN or inf, which storage %r cannot hold; this layer (and any other "
+                            "such) is kept exact, see stats()['kv_error']", self._tag, key, codec.name)
+            self.exact.add(key)
+            return k, v
+        for err in (codec.error(k, ek), codec.error(v, ev)):
+            self.total = err if self.total is None else add_error(self.total, err)
+        return ek, ev
+
+    def summary(self) -> Optional[Dict[str, object]]:
+        """Max absolute and relative error (‖x − x'‖ / ‖x‖) over the layers encoded, finite for any magnitude,
+        and the count of layers kept exact and why; None for exact storage."""
+        if self.codec is None:
+            return None
+        out: Dict[str, object] = dict(error_summary(self.total)) if self.total is not None else \
+            {"max_abs": 0.0, "relative": 0.0}  # one host sync, lossy storage only
+        out["exact_layers"] = len(self.exact)
+        out["exact_why"] = f"NaN or inf in K/V, which {self.codec.name} cannot hold" if self.exact else None
+        return out
 
 
 def codec_for(storage: str) -> Optional[Codec]:

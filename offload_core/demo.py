@@ -1,9 +1,4 @@
-"""`python -m offload_core demo`: a round trip through every tier with synthetic K/V, checked, then timed.
-
-Not the benchmark (that runs a real pipeline); a quick check that each tier works on this machine. Each row
-says whether every layer came back bit-identical and whether the cache really lived in that tier; the command
-exits 1 when any row fails either check.
-"""
+"""The round trip behind `python -m offload_core demo` (its options and checks: `democli`)."""
 
 from __future__ import annotations
 
@@ -12,29 +7,12 @@ import time
 
 import torch
 
-from . import cliargs
 from .config import Mode, OffloadConfig
 from .store import KVStore
 
 # Where each mode keeps the cache between gets: the `bytes` entries of `KVStore.stats()` that must hold it all.
 PLACES = {Mode.GPU: ("device",), Mode.RAM_SYNC: ("host_pageable", "host_pinned"),
           Mode.RAM_ASYNC: ("host_pageable", "host_pinned"), Mode.FILE_SYNC: ("file",), Mode.FILE_ASYNC: ("file",)}
-
-
-def build_parser() -> cliargs.Parser:
-    p = cliargs.Parser(prog="python -m offload_core demo", description=__doc__)
-    p.add_argument("--device", help="compute device (default: cuda if available, else cpu)")
-    p.add_argument("--layers", type=int, default=16, help="layers to put and get (default 16, at least 1)")
-    p.add_argument("--mib", type=float, default=8.0, help="size of K (and of V) per layer, MiB (default 8)")
-    return p
-
-
-def _check(args, parser) -> None:
-    if args.layers < 1:
-        parser.error(f"--layers must be >= 1; got {args.layers}. A round trip of no layers checks nothing.")
-    if not args.mib * 2**20 >= 2:  # one bfloat16 element (also refuses nan)
-        parser.error(f"--mib must be at least one bfloat16 element (2 bytes); got {args.mib}.")
-    args.device = cliargs.device(parser, args.device)
 
 
 def round_trip(mode: Mode, layers, device: torch.device) -> dict:
@@ -59,10 +37,8 @@ def round_trip(mode: Mode, layers, device: torch.device) -> dict:
             "held": held >= total, "put_s": put_s, "get_s": get_s, "wait_ms": stats["exposed_wait_s"] * 1000}
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check(args, parser)
+def run(args) -> int:
+    """The demo on checked options (`democli.check`): 0 when every tier passed both checks, else 1."""
     numel = max(1, int(args.mib * 2**20) // 2)
     layers = [(torch.randn(numel, device=args.device).to(torch.bfloat16),
                torch.randn(numel, device=args.device).to(torch.bfloat16)) for _ in range(args.layers)]

@@ -171,8 +171,12 @@ class HostAllocator:
         buf = HostBuffer(nbytes)
         if self.pin and nbytes:
             fits = self._reserve(nbytes)  # before pinning, so two threads (or two stores) cannot overshoot
-            if fits and self._try_pin(buf):
-                return buf
+            try:
+                if fits and self._try_pin(buf):
+                    return buf
+            except BaseException:  # a pinner that answered nonsense (or an interrupt): the budget is given back
+                self._unreserve(nbytes)
+                raise
             if fits:
                 self._unreserve(nbytes)
             self._note_fallback("pin budget exhausted" if not fits else "the pinning service refused", nbytes)
@@ -197,10 +201,17 @@ class HostAllocator:
 
     def _try_pin(self, buf: HostBuffer) -> bool:
         try:
-            buf.pinned = bool(self._pin_fn(buf.tensor))
+            pinned = self._pin_fn(buf.tensor)
         except Exception as exc:  # a refused pin is a slower copy, never a failed request
             log.debug("pinning %d bytes failed: %s", buf.nbytes, exc)
-            buf.pinned = False
+            pinned = False
+        # Anything but a bool is no answer: a truthy tensor (`t.pin_memory()` returns a pinned *copy*) would be
+        # taken for "pinned in place" and copied from asynchronously while it is pageable.
+        if not isinstance(pinned, bool) and type(pinned).__name__ != "bool_":
+            raise ValueError(f"HostServices: `pin` returned {type(pinned).__name__} {pinned!r:.60}; it must "
+                             "page-lock the tensor it is given in place and return True, or return False when it "
+                             "refuses. Fix that callable, or leave pin/unpin None so the engine pins itself.")
+        buf.pinned = bool(pinned)
         return buf.pinned
 
     def _note_fallback(self, why: str, nbytes: int) -> None:

@@ -10,8 +10,8 @@ Streamed layers (every place but `device`) come back through the store's ring of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import Mode
 
@@ -84,18 +84,42 @@ class Plan:
 
     places: the place of the i-th layer put (put order), for the expected layer count.
     mode: the mode in effect (how streamed layers move: synchronously or prefetched).
-    reason: one sentence, shown in `stats()["reason"]`.
     device_cap / host_cap: bytes the device / host RAM places may hold (None: no cap). Enforced per layer by
         `place_of`, so layers larger or more numerous than expected never exceed a budget.
     stream: where a layer goes that may not stay on the device (the plan's fastest streamed place).
+    why: per place, why layers go there (the words of `describe`); label: "auto" or the mode's name, None for
+        an explicit mode that was simply granted (no budget, one place): its reason is "requested".
+    layer_bytes: bytes of one layer as kept, the expectation `reason` is worded from.
     """
 
     places: Tuple[str, ...]
     mode: Mode
-    reason: str
     device_cap: Optional[int] = None
     host_cap: Optional[int] = None
     stream: str = FILE
+    why: Mapping[str, str] = field(default_factory=dict)
+    label: Optional[str] = None
+    within: bool = False  # the device's share is set by `device_budget`, not by free memory
+    suffix: str = ""  # said when some layers are not resident (e.g. why no RAM place is planned)
+    layer_bytes: int = 0
+
+    @property
+    def reason(self) -> str:
+        """The sentence for the expected layers (what `describe` says before any layer is put)."""
+        return self.describe(self.counts(), len(self.places) * self.layer_bytes)
+
+    def describe(self, counts: Mapping[str, int], nbytes: int) -> str:
+        """One sentence for `stats()["reason"]`: the layers `counts` holds per place (`nbytes` in all, as kept),
+        each place with why its layers are there. Worded from the layers actually put, not the expectation."""
+        if self.label is None and sum(1 for n in counts.values() if n) <= 1:
+            return "requested"
+        total = sum(counts.values())
+        if counts.get(DEVICE, 0) == total:
+            text = f"all {_count(total)} ({_gib(nbytes)}) fit {'within' if self.within else 'in'} {self.why[DEVICE]}"
+        else:
+            said = [f"{counts[p]} {_WORDS[p]} ({self.why[p]})" for p in PLACES if counts.get(p)]
+            text = f"{_count(total)} ({_gib(nbytes)}): " + ", ".join(said) + self.suffix
+        return f"{self.label or self.mode.value}: {text}"
 
     def counts(self) -> Dict[str, int]:
         out = dict.fromkeys(PLACES, 0)
@@ -145,7 +169,7 @@ class Figures:
 def make_plan(mode: Mode, f: Figures) -> Plan:
     """The plan for a store in `mode` (already resolved, or `auto`)."""
     if mode is Mode.GPU:
-        return Plan((DEVICE,) * f.layers, mode, "requested", stream=DEVICE)
+        return Plan((DEVICE,) * f.layers, mode, stream=DEVICE, why={DEVICE: "requested"}, layer_bytes=f.layer_bytes)
     if mode is Mode.AUTO:
         return _auto_plan(f)
     device_cap = f.device_budget
@@ -155,11 +179,12 @@ def make_plan(mode: Mode, f: Figures) -> Plan:
     else:
         host_cap = f.host_budget
         pinned_cap = f.pin_budget if mode.is_async and f.pinnable else 0
-    places, parts = _fill(f, resident, host_cap, pinned_cap, file_only=mode.is_file)
+    places = _fill(f, resident, host_cap, pinned_cap, file_only=mode.is_file)
     stream = FILE if mode.is_file else (PINNED if mode.is_async and f.pinnable else PAGEABLE)
-    mixed = len(set(places)) > 1 or f.device_budget is not None or host_cap is not None
-    why = f"{mode.value}: " + _sentence(parts, f) if mixed else "requested"
-    return Plan(places, mode, why, device_cap=device_cap, host_cap=host_cap, stream=stream)
+    budgeted = f.device_budget is not None or host_cap is not None
+    return Plan(places, mode, device_cap=device_cap, host_cap=host_cap, stream=stream,
+                why=_whys(mode, f, host_cap, mode.is_file), label=mode.value if budgeted else None,
+                within=f.device_budget is not None, layer_bytes=f.layer_bytes)
 
 
 def _auto_plan(f: Figures) -> Plan:
@@ -176,7 +201,7 @@ def _auto_plan(f: Figures) -> Plan:
         pinned_cap = f.pin_budget if f.pinnable else 0
     else:
         host_cap, pinned_cap = 0, 0
-    places, parts = _fill(f, resident, host_cap, pinned_cap, file_only=f.unified is not None)
+    places = _fill(f, resident, host_cap, pinned_cap, file_only=f.unified is not None)
     if FILE in places:
         mode = Mode.FILE_ASYNC
     elif resident < f.layers:
@@ -184,11 +209,10 @@ def _auto_plan(f: Figures) -> Plan:
     else:
         mode = Mode.GPU
     stream = FILE if f.unified is not None else (PINNED if f.pinnable else PAGEABLE)
-    why = "auto: " + _sentence(parts, f)
-    if f.unified is not None and resident < f.layers:
-        why += f" (RAM places disabled, {f.unified})"
-    return Plan(places, mode, why, device_cap=device_cap, host_cap=host_cap if f.unified is None else 0,
-                stream=stream)
+    suffix = f" (RAM places disabled, {f.unified})" if f.unified is not None else ""
+    return Plan(places, mode, device_cap=device_cap, host_cap=host_cap if f.unified is None else 0, stream=stream,
+                why=_whys(Mode.AUTO, f, host_cap, f.unified is not None), label="auto",
+                within=f.device_budget is not None, suffix=suffix, layer_bytes=f.layer_bytes)
 
 
 def _whole_layers(cap: Optional[int], layer_bytes: int, layers: int) -> int:
@@ -198,7 +222,7 @@ def _whole_layers(cap: Optional[int], layer_bytes: int, layers: int) -> int:
 
 
 def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Optional[int],
-          file_only: bool) -> Tuple[Tuple[str, ...], List[Tuple[str, int, str]]]:
+          file_only: bool) -> Tuple[str, ...]:
     """Resident layers spread over the order; the streamed rest pinned, then pageable, then files."""
     streamed = f.layers - resident
     if file_only:
@@ -216,14 +240,26 @@ def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Option
     # With a guessed layer count, spreading could leave budget unused when fewer layers come: fill from the front.
     on_device = set(resident_indices(f.layers, resident) if f.counted else range(resident))
     rest = iter(order)
-    places = tuple(DEVICE if i in on_device else next(rest) for i in range(f.layers))
-    parts = [(DEVICE, resident, _device_why(f)), (PINNED, pinned, _pin_why(f)),
-             (PAGEABLE, host - pinned, _host_why(f)), (FILE, files, _file_why(f, host_cap, file_only))]
-    return places, parts
+    return tuple(DEVICE if i in on_device else next(rest) for i in range(f.layers))
 
 
 def _gib(n: Optional[int]) -> str:
-    return "unknown" if n is None else (f"{n / GiB:.2f} GiB" if n >= GiB // 4 else f"{n / MiB:.1f} MiB")
+    if n is None:
+        return "unknown"
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 4 else (f"{n / MiB:.1f} MiB" if n >= MiB // 4 else f"{n >> 10} KiB")
+
+
+def _count(layers: int) -> str:
+    return f"{layers} layer{'s' * (layers != 1)}"
+
+
+_WORDS = {DEVICE: "resident on the device", PINNED: "in pinned RAM", PAGEABLE: "in pageable RAM", FILE: "in files"}
+
+
+def _whys(mode: Mode, f: Figures, host_cap: Optional[int], file_only: bool) -> Dict[str, str]:
+    """Why layers go to each place, in the plan's terms (the parentheses of `Plan.describe`)."""
+    return {DEVICE: _device_why(f), PINNED: _pin_why(f), PAGEABLE: _host_why(mode, f),
+            FILE: _file_why(f, host_cap, file_only)}
 
 
 def _device_why(f: Figures) -> str:
@@ -233,13 +269,19 @@ def _device_why(f: Figures) -> str:
 
 
 def _pin_why(f: Figures) -> str:
-    return f"pin budget {_gib(f.pin_budget)}" if f.pin_budget is not None else "pinned RAM"
+    return f"pin budget {_gib(f.pin_budget)}" if f.pin_budget is not None else "within the host's pin budget"
 
 
-def _host_why(f: Figures) -> str:
+def _host_why(mode: Mode, f: Figures) -> str:
     if f.host_budget is not None:
         return f"host_budget {_gib(f.host_budget)}"
-    return f"free RAM {_gib(f.free_host)}" if f.free_host is not None else "beyond the pin budget"
+    if f.free_host is not None:
+        return f"free RAM {_gib(f.free_host)}"
+    if mode is Mode.RAM_SYNC:
+        return "ram_sync copies synchronously and never pins"
+    if not f.pinnable:
+        return "copies here are synchronous, so nothing is pinned"
+    return "beyond the pin budget"
 
 
 def _file_why(f: Figures, host_cap: Optional[int], file_only: bool) -> str:
@@ -247,13 +289,3 @@ def _file_why(f: Figures, host_cap: Optional[int], file_only: bool) -> str:
         return "file mode" if f.unified is None else "no RAM place"
     return "beyond " + (f"host_budget {_gib(f.host_budget)}" if f.host_budget is not None and
                         (host_cap or 0) >= f.host_budget else f"free RAM {_gib(f.free_host)}")
-
-
-def _sentence(parts: List[Tuple[str, int, str]], f: Figures) -> str:
-    size = f"{f.layers} layers ({_gib(f.layers * f.layer_bytes)})"
-    if parts[0][1] == f.layers:
-        return f"all {size} fit {'within' if f.device_budget is not None else 'in'} {parts[0][2]}"
-    words = {DEVICE: "resident on the device", PINNED: "in pinned RAM", PAGEABLE: "in pageable RAM",
-             FILE: "in files"}
-    said = [f"{n} {words[place]} ({why})" for place, n, why in parts if n]
-    return f"{size}: " + ", ".join(said)

@@ -1,5 +1,5 @@
 """What a prefix's K/V were computed from: `PrefixKey` (a header plus content tensors, hashed by an on-device
-digest, compared in full on a hit) and `model_fingerprint` (the part of a key every torch model shares).
+digest, compared in full on a hit). The part of a key every torch model shares is `fingerprint.model_state`.
 
 Used by the prefix registry (`reuse.py`); what else goes into a key is the adapter's decision.
 """
@@ -12,9 +12,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import torch
-
-_PROBE = 64  # elements sampled per parameter for the weight fingerprint
-
 
 def _digest(t: torch.Tensor) -> torch.Tensor:
     """Three fp32 numbers on `t`'s device: the plain sum and two sums weighted by fixed position patterns."""
@@ -67,32 +64,3 @@ class PrefixKey:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def model_fingerprint(module: torch.nn.Module) -> Tuple[str, torch.Tensor]:
-    """(identity string, weight probe) of a torch model as it affects its outputs now.
-
-    The identity covers the object, every parameter and buffer (name, shape, dtype, in-place version counter),
-    adapter state that PEFT keeps on layers (active / merged adapters, scaling, disabled) and the attention
-    processors. The probe samples `_PROBE` elements of every parameter, so weights replaced or edited through
-    `.data` (which version counters do not see, e.g. a LoRA fused and then unloaded) change it too. Device
-    placement is left out on purpose: model CPU offload moves the weights every request.
-    """
-    parts: List[object] = [id(module), type(module).__qualname__]
-    probes: Dict[torch.device, List[torch.Tensor]] = {}
-    for name, p in list(module.named_parameters()) + list(module.named_buffers()):
-        parts.append((name, tuple(p.shape), str(p.dtype), p._version))
-        flat = p.detach().reshape(-1)
-        if flat.numel() and p.device.type != "meta":
-            step = max(1, flat.numel() // _PROBE)
-            probes.setdefault(p.device, []).append(flat[::step][:_PROBE].float())
-    for name, sub in module.named_modules():
-        state = tuple(repr(getattr(sub, a)) for a in ("merged_adapters", "active_adapters", "scaling",
-                                                        "disable_adapters") if hasattr(sub, a))
-        processor = getattr(sub, "processor", None)
-        if state or processor is not None:
-            parts.append((name, state, type(processor).__qualname__,
-                          repr(getattr(processor, "_attention_backend", None))))
-    probe = torch.cat([torch.cat(ps).cpu() for _, ps in sorted(probes.items(), key=lambda kv: str(kv[0]))]) \
-        if probes else torch.zeros(0)
-    return hashlib.sha256(repr(parts).encode()).hexdigest(), probe

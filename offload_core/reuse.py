@@ -15,79 +15,25 @@ the extraction pass. `PrefixRegistry` holds such stores between requests:
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
 
 The engine stays model-agnostic: what goes into a key is decided by the adapter (`offload_core.diffusers`, the
-ComfyUI nodes); `model_fingerprint` (`prefix.py`) is the part every torch model shares. Both are importable
-from here too.
+ComfyUI nodes); `fingerprint.model_state` is the part every torch model shares.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Optional, Tuple
 
-import psutil
-
-from .prefix import PrefixKey, model_fingerprint  # noqa: F401 (the adapters import both from here)
+from .prefix import PrefixKey  # noqa: F401 (the adapters import it from here)
+from .reusebudget import PLACES, BudgetSpec, free_in, parse_budget, store_places  # noqa: F401 (re-exported)
 from .tiers import KVFileError
 
 log = logging.getLogger(__name__)
 
-PLACES = ("device", "host", "file")
 REUSE_STATS_VERSION = 1
-
-
-# -- budgets ---------------------------------------------------------------------------------------------------
-BudgetSpec = Union[None, int, Mapping[str, Optional[int]]]
-
-
-def parse_budget(value: BudgetSpec, *, option: str = "reuse_budget") -> Dict[str, Optional[int]]:
-    """`None` (defaults), bytes for every place, or `{place: bytes}` -> `{place: bytes or None}`.
-
-    None for a place means: a quarter of what is free there when an entry is admitted (device: 0, so by
-    default nothing is kept in VRAM between requests; on a CPU the compute "device" is host RAM and counts as
-    `host`).
-    """
-    out: Dict[str, Optional[int]] = {"device": 0, "host": None, "file": None}
-    if value is None:
-        return out
-    if isinstance(value, bool) or not isinstance(value, (int, Mapping)):
-        raise ValueError(f"`{option}` must be None, a byte count or a dict {{place: bytes}} with places "
-                         f"{', '.join(PLACES)}; got {value!r}. Pass e.g. {{'host': 8 << 30}}.")
-    items = {place: value for place in PLACES} if isinstance(value, int) else dict(value)
-    for place, n in items.items():
-        if place not in PLACES:
-            raise ValueError(f"`{option}` has an unknown place {place!r}; the places are {', '.join(PLACES)}. "
-                             f"Use e.g. {{'host': 8 << 30, 'file': 32 << 30}}.")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise ValueError(f"`{option}[{place!r}]` must be a byte count >= 0 or None; got {n!r}.")
-        out[place] = n
-    return out
-
-
-def store_places(stats: dict) -> Dict[str, int]:
-    """A store's `stats()["bytes"]` folded into the registry's places (a CPU "device" is host RAM)."""
-    b = stats.get("bytes", {})
-    device = int(b.get("device", 0))
-    host = int(b.get("host_pinned", 0)) + int(b.get("host_pageable", 0))
-    if str(stats.get("device", "")).startswith("cpu"):
-        device, host = 0, host + device
-    return {"device": device, "host": host, "file": int(b.get("file", 0))}
-
-
-def _free_in(place: str, store) -> int:
-    if place == "host":
-        return int(psutil.virtual_memory().available)
-    if place == "file":
-        where = (store.stats().get("file_dir") if store is not None else None) or "."
-        try:
-            return int(shutil.disk_usage(where).free)
-        except OSError:
-            return 0
-    return 0
 
 
 # -- the registry ----------------------------------------------------------------------------------------------
@@ -172,23 +118,25 @@ class PrefixRegistry:
         try:
             self._park(store)  # also waits for its file writes: a failed one is no cache to keep
         except (KVFileError, TimeoutError) as exc:  # a failed or stuck write
-            self.note_rejection(f"its layer files could not be written ({exc})")
-            log.warning("KV offload reuse%s: not kept: its layer files could not be written (%s)",
-                        f" [{self.name}]" if self.name else "", exc)
-            store.close()
-            return False
+            return self._reject(store, f"its layer files could not be written ({exc})", logging.WARNING)
         places = store_places(store.stats())
         with self._lock:
-            reason = self._why_not(key, store, places)
+            # Whether it can be kept is decided first, on the entries as they are; only then does anything go.
+            reason, victims = self._why_not(key, store, places)
             if reason is None:
+                for victim in victims:
+                    self._evict(victim, "least recently used, to make room")
                 entry = Entry(key.on_host(), store, places, label)
                 self._entries.setdefault(hash(key), []).append(entry)
                 self._lru[id(entry)] = entry
                 self._counters.admitted += 1
                 return True
-            self._counters.rejected += 1
-            self._counters.last_rejection = reason
-        log.info("KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", reason)
+        return self._reject(store, reason, logging.INFO)
+
+    def _reject(self, store, reason: str, level: int) -> bool:
+        """The one way an offered store is turned down: counted, logged, closed."""
+        self.note_rejection(reason)
+        log.log(level, "KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", reason)
         store.close()
         return False
 
@@ -198,27 +146,34 @@ class PrefixRegistry:
             self._counters.rejected += 1
             self._counters.last_rejection = why
 
-    def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Optional[str]:
+    def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Tuple[Optional[str], List[Entry]]:
+        """(None, the entries to evict first, oldest first) when `store` can be kept, else (why not, []).
+
+        A query: it changes nothing, so a store that cannot be kept costs no entry."""
         if self.closed:
-            return "the registry is closed"
+            return "the registry is closed", []
         if any(e.key.matches(key) for e in self._entries.get(hash(key), [])):
-            return "an entry for the same prefix is kept already"
+            return "an entry for the same prefix is kept already", []
         limits = {p: self._limit(p, store) for p in PLACES}
         for place, n in places.items():
             if n > limits[place]:
-                return f"it needs {n / 2**20:.1f} MiB of {place}, the reuse budget there is {limits[place] / 2**20:.1f} MiB"
-        for victim in list(self._lru.values()):
-            if all(self._used(p) + places[p] <= limits[p] for p in PLACES):
+                return (f"it needs {n / 2**20:.1f} MiB of {place}, the reuse budget there is "
+                        f"{limits[place] / 2**20:.1f} MiB"), []
+        used = {p: self._used(p) + places[p] for p in PLACES}
+        victims: List[Entry] = []
+        for victim in self._lru.values():
+            if all(used[p] <= limits[p] for p in PLACES):
                 break
             if not victim.leased:
-                self._evict(victim, "least recently used, to make room")
-        if not all(self._used(p) + places[p] <= limits[p] for p in PLACES):
-            return "the entries that would have to go are in use"
-        return None
+                victims.append(victim)
+                used = {p: used[p] - victim.places[p] for p in PLACES}
+        if not all(used[p] <= limits[p] for p in PLACES):
+            return "the entries that would have to go are in use", []
+        return None, victims
 
     def _limit(self, place: str, store) -> int:
         n = self.budget[place]
-        return n if n is not None else (self._used(place) + _free_in(place, store)) // 4
+        return n if n is not None else (self._used(place) + free_in(place, store)) // 4
 
     def _used(self, place: str) -> int:
         return sum(e.places[place] for e in self._lru.values())

@@ -40,6 +40,11 @@ class Layers:
     where: Dict[Hashable, str]  # the place of each layer
     resident: Set[Hashable]  # kept on the device, served without a load
     coded: bool  # a codec decodes into the slot at `get`
+    exact: Set[Hashable]  # with a codec: layers kept as put all the same (they hold NaN or inf)
+
+    def decoded(self, key: Hashable) -> bool:
+        """Layer `key` comes back encoded and is decoded into the slot."""
+        return self.coded and key not in self.exact
 
 
 class SlotRing:
@@ -82,22 +87,24 @@ class SlotRing:
     def load(self, key: Hashable, slot: Slot) -> Slot:
         layers = self._layers
         layout, kept = layers.layouts[key], layers.kept[key]
-        coded = kept.data_bytes if layers.coded and key not in layers.resident else 0
+        decoded = layers.decoded(key)
+        # Encoded bytes are copied into `slot.coded` (None: no such copy), even when there are none (no tokens).
+        coded = kept.data_bytes if decoded and key not in layers.resident else None
         self._fit(slot, layout.data_bytes, coded)
         slot.key = None  # set only once the load is queued: a failed load must never be served
         if key in layers.resident:
             slot.pending = Pending()  # decoded at `get` straight from the resident bytes: nothing to copy
         else:
-            target = slot.coded if layers.coded else slot.buffer
+            target = slot.coded if decoded else slot.buffer
             slot.pending = self._tiers[layers.where[key]].load(key, target, slot.release)
             self._stats.count_transfer(kept.data_bytes)
         slot.key = key
         self._stats.set_resident(len(layers.resident) + sum(1 for s in self.slots if s.key is not None))
         return slot
 
-    def _fit(self, slot: Slot, nbytes: int, coded: int) -> None:
+    def _fit(self, slot: Slot, nbytes: int, coded: Optional[int]) -> None:
         small = slot.buffer is None or slot.buffer.numel() < nbytes
-        small_coded = coded and (slot.coded is None or slot.coded.numel() < coded)
+        small_coded = coded is not None and (slot.coded is None or slot.coded.numel() < coded)
         if not (small or small_coded):
             return
         slot.pending.settle()  # the old buffers may still be the target of a copy

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+import os
 from typing import Dict, Optional
 
 import psutil
@@ -13,9 +16,33 @@ from .config import HostServices
 STATS_VERSION = 1
 
 
+def host_figure(name: str, value) -> Optional[int]:
+    """A byte count a `HostServices` callable returned, checked like an option: an int >= 0, or None (unknown).
+
+    A finite real number >= 0 (a float, a NumPy integer) is accepted and truncated to whole bytes; NaN, inf, a
+    negative number, a bool or anything else raises, naming the callable, the value and the fix, so a bad
+    figure never becomes a plan (NaN compared False against every budget and put every layer on the device).
+    """
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return int(value)
+    raise ValueError(f"HostServices: `{name}` returned {value!r} ({type(value).__name__}); it must return a byte "
+                     "count >= 0 (an int), or None when the figure is unknown. Fix that callable, or leave it None "
+                     "so the engine queries the figure itself.")
+
+
+def host_dir(value) -> str:
+    """The directory `HostServices.temp_dir` returned, checked before a file place is made in it."""
+    if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
+        return os.fspath(value)
+    raise ValueError(f"HostServices: `temp_dir` returned {value!r} ({type(value).__name__}); it must return the path of "
+                     "an existing directory. Fix that callable, or leave it None for the system temp dir.")
+
+
 def free_device_memory(device: torch.device, host: HostServices) -> Optional[int]:
     if host.free_device_memory is not None:
-        return host.free_device_memory(device)
+        return host_figure("free_device_memory", host.free_device_memory(device))
     if device.type == "cuda":
         # Memory torch's caching allocator holds but does not use is free for our tensors too; the driver's
         # figure alone would push a cache that fits off the device after the first request.
@@ -28,7 +55,7 @@ def free_device_memory(device: torch.device, host: HostServices) -> Optional[int
 
 def free_host_memory(host: HostServices) -> Optional[int]:
     if host.free_host_memory is not None:
-        return host.free_host_memory()
+        return host_figure("free_host_memory", host.free_host_memory())
     return int(psutil.virtual_memory().available)
 
 

@@ -12,8 +12,10 @@ the same code runs with every fence already complete.
 
 With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
 tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
-copy it reads: resident layers too are kept encoded and decoded into a slot. A layer whose batch rows are
-identical is kept as one row the same way (`dedup.py`: dedup first, then the codec) and broadcast into the slot.
+copy it reads: resident layers too are kept encoded and decoded into a slot. A layer holding a NaN or an inf
+is kept exactly as put instead (no codec can hold such a value without spreading it or dropping it), served
+like a layer of exact storage, and counted in `stats()["kv_error"]`. A layer whose batch rows are identical is
+kept as one row (`dedup.py`: dedup first, then the codec) and broadcast into the slot at `get`.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Dict, Hashable, Optional, Set, Tuple
+from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import add_error, codec_for
+from .codec import Compact, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .devices import Streams, open_streams, unified_memory_reason
 from .guards import check_device, check_pair, engine_mode, one_consumer
@@ -35,7 +37,7 @@ from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Pl
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
 from .dedup import RowDedup, expand_into, served_layout
-from .stats import StoreStats, free_device_memory, free_host_memory
+from .stats import StoreStats, free_device_memory, free_host_memory, host_dir
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, close_tiers, open_tier
@@ -83,11 +85,12 @@ class KVStore:
         self._host = host or HostServices()
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
-        self._codec = codec_for(config.storage)
-        self._codec_error: Optional[torch.Tensor] = None  # [max abs, sum sq err, sum sq] over every put
+        self._compact = Compact(codec_for(config.storage), f"KV offload{self._tag}")
+        self._codec = self._compact.codec
         self.requested = config.mode
         self.mode: Optional[Mode] = None
-        self.reason = "auto: decided at the first put"
+        self._granted = "auto: decided at the first put"  # how the requested mode was granted (see `reason`)
+        self._notes: List[str] = []  # what the tiers add (e.g. files on a RAM-backed filesystem)
         self.plan: Optional[Plan] = None
         self._streams: Optional[Streams] = None
         self._tiers: Dict[str, Tier] = {}
@@ -111,7 +114,7 @@ class KVStore:
             mode, reason = resolve(config.mode, self._unified)
             if mode is not self.requested:
                 log.warning("KV offload%s: %s", self._tag, reason)
-            self.mode, self.reason = mode, reason
+            self.mode, self._granted = mode, reason
             self._open_schedule(mode.is_async)
 
     @property
@@ -129,15 +132,23 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None)
+        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None,
+                        exact=self._compact.exact)
         self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
-    def _make_plan(self, layout: LayerLayout, kept: LayerLayout) -> None:
+    def _free_figures(self) -> Tuple[Optional[int], Optional[int]]:
+        """Free device and host memory for `auto` (validated, `stats.host_figure`); (None, None) otherwise."""
+        if self.requested is not Mode.AUTO:
+            return None, None
+        return free_device_memory(self.device, self._host), free_host_memory(self._host)
+
+    def _make_plan(self, layout: LayerLayout, kept: LayerLayout, free: Tuple[Optional[int], Optional[int]]) -> None:
         exact = layout.k.nbytes + layout.v.nbytes
-        layers = max(1, -(-self._expected // max(exact, 1))) if self._expected is not None else ASSUMED_LAYERS
+        counted = self._expected is not None and exact > 0  # a first layer of no tokens tells no layer count
+        layers = max(1, -(-self._expected // exact)) if counted else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
         if auto:
             self._open_schedule(True)
@@ -146,27 +157,24 @@ class KVStore:
             layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
             slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
             device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
-            free_device=free_device_memory(self.device, self._host) if auto else None,
-            free_host=free_host_memory(self._host) if auto else None,
+            free_device=free[0], free_host=free[1],
             pinnable=self._allocator.pin, unified=self._unified or same_pool_reason(self.device),
-            counted=self._expected is not None)
+            counted=counted)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
         if auto:
-            self.mode, self.reason = self.plan.mode, self.plan.reason
-        elif self.plan.reason != "requested":
-            self.reason = self.plan.reason
+            self.mode = self.plan.mode
         counts = ", ".join(f"{place} {n}" for place, n in self.plan.counts().items() if n)
         log.info("KV offload%s: tier %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
-                 self.mode.value, self.reason, counts, self.config.storage, self.depth)
+                 self.mode.value, self.plan.reason, counts, self.config.storage, self.depth)
 
     def _tier(self, place: str) -> Tier:
         tier = self._tiers.get(place)
         if tier is None:
-            parent = self.config.file_dir or (self._host.temp_dir() if self._host.temp_dir else None)
+            parent = self.config.file_dir or (host_dir(self._host.temp_dir()) if self._host.temp_dir else None)
             opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
             tier = self._tiers[place] = open_tier(place, self._ctx, opts)
             if tier.note:  # e.g. files on a RAM-backed filesystem: the stats say why this place saves no RAM
-                self.reason = f"{self.reason}; {tier.note}"
+                self._notes.append(tier.note)
         return tier
 
     @engine_mode
@@ -216,16 +224,15 @@ class KVStore:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         whole = (k, v)
+        if self.plan is None:  # the host's figures first: a bad one raises before this store allocates anything
+            free = self._free_figures()
         k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, checked on the device
         layout = layout_for(*whole) if rows == 1 else served_layout(*whole, k, v)
-        if self._codec is not None:  # quantised on the device, before any byte moves; its error measured
-            ek, ev = self._codec.encode(k), self._codec.encode(v)
-            for err in (self._codec.error(k, ek), self._codec.error(v, ev)):
-                self._codec_error = err if self._codec_error is None else add_error(self._codec_error, err)
-            k, v = ek, ev
-        kept = layout if rows == 1 and self._codec is None else layout_for(k, v)
+        if self._codec is not None:
+            k, v = self._compact.encode(key, k, v)
+        kept = layout_for(k, v) if self._compact.coded(key) or rows > 1 else layout
         if self.plan is None:
-            self._make_plan(layout, kept)
+            self._make_plan(layout, kept, free)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
         self._tier(place).store(key, k, v, kept)
         self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
@@ -255,7 +262,7 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        expands = self._codec is not None or key in self._rows  # decoded or broadcast into a slot at get
+        expands = self._compact.coded(key) or key in self._rows  # decoded or broadcast into a slot at get
         direct = key in self._resident and not expands
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
@@ -305,11 +312,13 @@ class KVStore:
         # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
         # broadcast and the kernels reading its output.
         try:
+            coded = self._compact.coded(key)
             if key in self._resident:
                 source = self._tiers[DEVICE].view(key)
             else:
-                source = views(slot.coded if self._codec is not None else slot.buffer, self._kept[key])
-            expand_into(self._streams, self._codec, source, slot.buffer, self._layouts[key], self._rows.get(key, 1))
+                source = views(slot.coded if coded else slot.buffer, self._kept[key])
+            expand_into(self._streams, self._codec if coded else None, source, slot.buffer, self._layouts[key],
+                        self._rows.get(key, 1))
         except BaseException:
             slot.key = None
             raise
@@ -365,6 +374,18 @@ class KVStore:
                 self._owner = None  # the next request's consumer owns it, one request at a time
 
     # -- reporting -------------------------------------------------------------------------------------------
+    @property
+    def reason(self) -> str:
+        """Why the cache is where it is (`stats()["reason"]`): the plan in force, worded from the layers put so
+        far (not from the expected count), or how the mode was granted ("requested", a fallback) where the plan
+        has nothing to add; then what the tiers noted."""
+        said = self._granted
+        if self.plan is not None:
+            nbytes = sum(kept.data_bytes for kept in list(self._kept.values()))
+            words = self.plan.describe(self.placement(), nbytes)
+            said = words if words != "requested" else said
+        return "; ".join([said, *self._notes])
+
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place (what `stats()["plan"]` reports)."""
         out = dict.fromkeys(PLACES, 0)
@@ -372,13 +393,9 @@ class KVStore:
             out[place] += 1
         return out
 
-    def kv_error(self) -> Optional[Dict[str, float]]:
-        """The codec's error over every layer put: max absolute and relative (‖x − x̂‖ / ‖x‖); None if exact."""
-        err = self._codec_error
-        if err is None:
-            return None
-        top, sq, ref = err.tolist()  # one host sync, only for lossy storage
-        return {"max_abs": top, "relative": (sq / ref) ** 0.5 if ref > 0 else 0.0}
+    def kv_error(self) -> Optional[Dict[str, object]]:
+        """The codec's error over every layer put, and the layers kept exact (`codec.Compact.summary`)."""
+        return self._compact.summary()
 
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""

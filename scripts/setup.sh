@@ -21,7 +21,7 @@ stamp=.venv/.kv-offload-setup
 # What the stamp records: everything that decides what gets installed (the interpreter is .venv's own).
 key() { { cat pyproject.toml; echo "$torch_spec|$torch_index"; .venv/bin/python --version; } | sha256sum | cut -d' ' -f1; }
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(key)" ] \
-        && .venv/bin/python -c "import offload_core" 2>/dev/null; then
+        && .venv/bin/python -c "import offload_core, torch" 2>/dev/null; then
     echo "setup.sh: .venv is up to date (pyproject.toml unchanged); nothing to install."
     exit 0
 fi

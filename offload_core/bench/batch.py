@@ -82,26 +82,15 @@ def table(rows: List[dict], settings: str) -> str:
     return "\n".join(lines)
 
 
-def _pipeline(args):
-    """The pipeline `bench` would measure with these arguments, and its description."""
-    from . import fullsize, loading, models
-
-    if args.size == "full":
-        return fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
-    if args.pipeline == "flux2" and args.model is None:
-        pipe = models.flux2_klein_kv_pipeline(loading.BENCH_SIZE, device=args.device, dtype=args.torch_dtype)
-        return pipe, f"built-in Flux2KleinKVPipeline, random weights ({loading.BENCH_SIZE.layers} double layers)"
-    return loading.load(args.model, args.device, args.torch_dtype)
-
-
 def main(args) -> int:
     """Runs after the CLI's checks: the pipeline `bench` would build, the table printed (and `--json` written).
     Exit status 1 when a batch-4 row's images differ from those of the batch-4 row without dedup."""
     import json
 
     from . import loading
+    from .cli import _pipeline
 
-    pipe, description = _pipeline(args)
+    pipe, description = _pipeline(args)  # the pipeline `bench` would measure with these options
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
                                 n_images=args.images)
     rows = measure(pipe, call, steps=args.steps, runs=args.runs, device=args.device)

@@ -1,22 +1,21 @@
-"""`python -m offload_core bench`: the speed/memory table of every KV-cache mode on this machine."""
+"""`python -m offload_core bench`: the speed/memory table of the KV-cache modes on this machine, and the one to use."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-import torch
-
 from .. import cliargs
-from . import hardware, report
-from .rows import select_rows
+from .folder import check_model_folder
+from .rows import VERDICT_KEYS, select_rows
 
 # What the benchmark imports besides the engine (diffusers builds the pipelines, PIL the condition images).
 EXTRA = ("diffusers", "transformers", "PIL")
 INSTALL = 'pip install "comfyui-kv-offload[bench]"'
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# --dtype spellings -> torch dtype names (looked up in torch once the options have passed)
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "file_sync_warm, file_async_warm, file_sync_cold, file_async_cold, device_25, device_50, "
                    "device_75, host_50, gpu_fp8, gpu_int8, auto, rerun (a second request with a new seed, for "
                    "FLUX.2 a new prompt, served by prefix reuse); or the shorthands file_sync, file_async, warm, "
-                   "cold, off, dial, lossy, reuse (ram_async + rerun) (default: all but auto, rerun)")
+                   "cold, off, dial, lossy, reuse (ram_async + rerun); all: the 15 rows but auto and rerun (default: the "
+                   f"rows the recommendation needs, {','.join(VERDICT_KEYS)})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: 1 on a CPU device, torch's default "
                    "otherwise; on a busy machine, OpenMP threads waiting for each other at every op can make a "
                    "multi-threaded CPU run 10-30x slower)")
@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args, parser: argparse.ArgumentParser) -> None:
-    """Every option, before anything is imported, loaded or measured; a bad one exits 2 with one line."""
+    """Every option, before anything is loaded or measured; a bad one exits 2 with one line. The checks that need
+    no torch run first, so a usage error answers at once; `--device` and the model's size come after."""
     cliargs.output_file(parser, "--json", args.json)  # first: a run must never end with nowhere to write
     cliargs.output_file(parser, "--plot", args.plot)
     if args.plot and cliargs.missing("matplotlib"):
@@ -63,8 +64,7 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     if args.resolution is None:
         args.resolution = 1024 if args.size == "full" else 256
     for name, low in (("steps", 2), ("runs", 1), ("images", 1)):
-        if getattr(args, name) < low:
-            parser.error(f"--{name} must be >= {low}; got {getattr(args, name)}.")
+        cliargs.at_least(parser, f"--{name}", getattr(args, name), low)
     if args.resolution < 32 or args.resolution % 32:
         parser.error(f"--resolution must be a multiple of 32 (>= 32); got {args.resolution}.")
     try:
@@ -73,27 +73,26 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         parser.error(str(exc))
     if not args.rows:
         parser.error(f"--modes {args.modes!r} names no rows; give comma-separated row names, e.g. gpu,ram_async.")
-    args.device = cliargs.device(parser, args.device)
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be >= 1; got {args.threads}.")
-    default_dtype = "bfloat16" if args.device.type == "cuda" else "float32"
-    args.torch_dtype = _DTYPES[args.dtype or default_dtype]
+    if args.threads is not None:
+        cliargs.at_least(parser, "--threads", args.threads, 1)
+    if args.model is not None:
+        try:
+            check_model_folder(args.model)
+        except ValueError as exc:
+            parser.error(str(exc))
     absent = cliargs.missing(*EXTRA)
     if absent:
         parser.exit(1, f"python -m offload_core bench needs the bench extra ({', '.join(absent)} missing): {INSTALL}\n")
-    from . import fullsize, loading
+    args.device = cliargs.device(parser, args.device)  # imports torch
+    import torch
 
+    args.torch_dtype = getattr(torch, _DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")])
     if args.size == "full":  # before anything is allocated
+        from . import fullsize
+
         problem = fullsize.shortfall(args.pipeline, args.device, args.torch_dtype, args.images, args.resolution)
         if problem:
             parser.exit(2, problem + "\n")
-    if args.model is not None:
-        try:
-            loading.check_model_folder(args.model)
-        except ValueError as exc:
-            parser.error(str(exc))
-
-
 def _progress(total: int):
     try:
         from tqdm.auto import tqdm
@@ -102,20 +101,53 @@ def _progress(total: int):
     return tqdm(total=total, desc="bench", unit="request", file=sys.stderr, leave=False)
 
 
-def run(args) -> tuple[list[dict], dict, str]:
-    """Measure every selected row; returns (rows, hardware, settings line)."""
+def _pipeline(args):
+    """(pipe, description) of the pipeline the options name."""
     from . import fullsize, loading, models
-    from .measure import measure_rows
 
     if args.size == "full":
-        pipe, description = fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
-    elif args.pipeline == "flux2" and args.model is None:
+        return fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
+    if args.pipeline == "flux2" and args.model is None:
         pipe = models.flux2_klein_kv_pipeline(loading.BENCH_SIZE, device=args.device, dtype=args.torch_dtype)
-        description = f"built-in Flux2KleinKVPipeline, random weights ({loading.BENCH_SIZE.layers} double layers)"
-    else:
-        pipe, description = loading.load(args.model, args.device, args.torch_dtype)
+        return pipe, f"built-in Flux2KleinKVPipeline, random weights ({loading.BENCH_SIZE.layers} double layers)"
+    return loading.load(args.model, args.device, args.torch_dtype)
+
+
+def workload(args, rows: list[dict]) -> dict:
+    """The request the recommendation is for: the benchmarked model itself when it has its real width; for the
+    tiny built-in one, the real pipeline it stands for at 1024x1024 (its weights, then not loaded, counted)."""
+    import torch
+
+    from . import fullsize
+
+    if args.model is not None or args.size == "full":
+        cache = max((sum(r["kv_bytes"].values()) for r in rows), default=0)  # every row holds the same K/V
+        what = f"this model ({args.resolution}x{args.resolution}, {args.images} condition image(s))"
+        return {"cache_bytes": cache, "other_device_bytes": fullsize.HEADROOM, "what": what,
+                "can_skip_cache": args.can_skip_cache}
+    branches = 2 if args.pipeline == "qwen21" else 1  # Qwen-Image 2.1 runs true CFG; FLUX.2 [klein] is distilled
+    cache = branches * fullsize.kv_bytes(args.pipeline, torch.bfloat16, args.images, 1024)
+    weights = fullsize.PARAMETERS[args.pipeline] * 2
+    what = (f"a real {fullsize.NAMES[args.pipeline]} request (1024x1024, {args.images} condition image(s), bf16"
+            f"{', true CFG' if branches == 2 else ''}, beside its {weights / 2**30:.0f} GiB of weights)")
+    return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what,
+            "can_skip_cache": args.can_skip_cache}
+
+
+def run(args) -> tuple[list[dict], dict, str]:
+    """Measure every selected row; returns (rows, hardware, settings line). The hardware dict holds the
+    machine's load before and after the rows, and the free memory after them."""
+    import tempfile
+
+    from . import hardware, loading, report
+    from .measure import measure_rows
+    from .verdict import add_spread
+
+    load = {"before": hardware.load()}
+    pipe, description = _pipeline(args)
     rows, skipped = args.rows, ""
-    if not loading.supports_no_cache(pipe) and any(r.key == "none" for r in rows):
+    args.can_skip_cache = loading.supports_no_cache(pipe)
+    if not args.can_skip_cache and any(r.key == "none" for r in rows):
         rows = [r for r in rows if r.key != "none"]
         skipped = "; no 'no cache' row: FLUX.2 Klein KV has no uncached mode"
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
@@ -132,12 +164,16 @@ def run(args) -> tuple[list[dict], dict, str]:
     finally:
         if bar is not None:
             bar.close()
+    load["after"] = hardware.load()
     report.add_ratios(results)
+    add_spread(results)
     dtype = str(args.torch_dtype).replace("torch.", "")
     settings = (f"{description}; {args.steps} steps, {args.resolution}x{args.resolution}, {args.images} condition "
                 f"image(s), {dtype}; median of {args.runs} after 1 warm-up; full pipeline incl. text encoder and "
                 f"VAE, excl. loading{skipped}")
-    return results, hardware.describe(args.device), settings
+    hw = hardware.describe(args.device)
+    hw.update(load=load, free=hardware.free(args.device, tempfile.gettempdir()))
+    return results, hw, settings
 
 
 def main(argv=None) -> int:
@@ -147,6 +183,11 @@ def main(argv=None) -> int:
     if args.batch and (args.modes or args.plot):
         parser.error("--batch measures its own rows (gpu, ram_async, file_async at batch 1 and 4); drop --modes "
                      "and --plot.")
+    import torch
+
+    from . import hardware, report
+    from .verdict import recommend, reliability
+
     threads = args.threads or (1 if args.device.type == "cpu" else None)
     previous = torch.get_num_threads()
     if threads:
@@ -159,14 +200,19 @@ def main(argv=None) -> int:
         rows, hw, settings = run(args)
     finally:
         torch.set_num_threads(previous)
-    print(report.table(rows, hardware.one_line(hw), settings))
+    verdict = recommend(rows, hw["free"], workload(args, rows))
+    cautions = reliability(rows, hw["load"], threads or previous)
+    print(report.table(rows, hardware.one_line(hw), settings, verdict, cautions))
     if args.json:
         report.write_json(args.json, rows, hw, {
             "text": settings, "steps": args.steps, "resolution": args.resolution, "runs": args.runs,
             "images": args.images, "model": args.model, "dtype": str(args.torch_dtype), "device": str(args.device),
-            "threads": threads or previous})
+            "threads": threads or previous}, verdict, cautions)
         print(f"JSON written to {args.json}")
     if args.plot:
-        error = report.write_plot(args.plot, rows, settings)
+        from .plot import write_plot
+
+        error = write_plot(args.plot, rows, verdict["headline"], str(args.device), footer=settings,
+                           recommended=verdict["evidence"], cautions=cautions)
         print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import tempfile
 
 import psutil
@@ -61,3 +62,29 @@ def one_line(info: dict) -> str:
     parts.append(f"temp dir {info['temp_dir']} on {info['temp_fs'] or 'unknown fs'}")
     parts.append(f"torch {info['torch']}, diffusers {info['diffusers']}, Python {info['python']}")
     return "; ".join(parts)
+
+
+def load() -> dict:
+    """The machine's load right now: 1/5/15-minute load averages (None where the OS has none) and the CPU count."""
+    averages = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"load_avg": list(averages) if averages else None, "cpu_count": os.cpu_count()}
+
+
+def free(device: torch.device, directory: str) -> dict:
+    """Free bytes where a cache can live: on the compute device, in RAM, on the disk holding `directory`.
+
+    `unified`: the device computes from host RAM (a CPU, Apple MPS, an integrated NVIDIA part), so its free
+    figure is the RAM's and a RAM tier frees nothing on it.
+    """
+    ram = int(psutil.virtual_memory().available)
+    unified, device_free = True, ram
+    if device.type == "cuda":
+        unified = bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
+        if not unified:
+            torch.cuda.empty_cache()  # blocks the allocator keeps after the last request count as free
+        device_free = ram if unified else int(torch.cuda.mem_get_info(device)[0])
+    try:
+        disk = shutil.disk_usage(directory).free
+    except OSError:
+        disk = None
+    return {"device": device_free, "ram": ram, "disk": disk, "disk_dir": directory, "unified": unified}

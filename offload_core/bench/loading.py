@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Callable
 
 import torch
 
 from . import models
+from .folder import check_model_folder
 
 # Default built-in model: wide enough that each layer's attention and MLP, not Python, dominate a step on a
 # CPU, small enough that the whole table prints in well under two minutes on two cores.
 BENCH_SIZE = models.TinySize(layers=6, heads=4, head_dim=128, context_dim=64)
-SUPPORTED = ("QwenImage21Pipeline", "Flux2KleinKVPipeline")
 
 
 def load(model: str | None, device: torch.device, dtype: torch.dtype):
@@ -30,24 +28,6 @@ def load(model: str | None, device: torch.device, dtype: torch.dtype):
     pipe.to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe, f"{class_name} from {model}"
-
-
-def check_model_folder(model: str) -> str:
-    """The pipeline class named by the folder's model_index.json; ValueError unless it is one we run."""
-    index = os.path.join(model, "model_index.json")
-    if not os.path.isfile(index):
-        what = "does not exist" if not os.path.exists(model) else "has no model_index.json"
-        raise ValueError(f"--model {model!r} {what}; give a local diffusers folder (with a model_index.json) "
-                         "of a QwenImage21Pipeline or Flux2KleinKVPipeline, or leave --model out for the built-in one.")
-    try:
-        with open(index) as f:
-            class_name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ValueError(f"--model {model!r}: its model_index.json cannot be read as a JSON object ({exc}).") from None
-    if class_name not in SUPPORTED:
-        raise ValueError(
-            f"--model {model!r} holds a {class_name}; the benchmark runs {' and '.join(SUPPORTED)} folders.")
-    return class_name
 
 
 def call_factory(pipe, *, builtin: bool, steps: int, resolution: int, n_images: int = 1) -> Callable[[], dict]:

@@ -148,7 +148,8 @@ def _kv_error(stats: list) -> dict | None:
     errors = [s["kv_error"] for s in stats if s.get("kv_error")]
     if not errors:
         return None
-    return {"max_abs": max(e["max_abs"] for e in errors), "relative": max(e["relative"] for e in errors)}
+    return {"max_abs": max(e["max_abs"] for e in errors), "relative": max(e["relative"] for e in errors),
+            "exact_layers": sum(e.get("exact_layers", 0) for e in errors)}
 
 
 def _aligned_cache_bytes(stats: dict) -> int:
@@ -203,6 +204,7 @@ def request_for_row(pipe, row: Row, call_kwargs: Callable[[], dict], device: tor
             sample = one_request(pipe, lambda: pipe(**rerun_kwargs(pipe, call_kwargs()), **row.call_kwargs),
                                  device, rss, session)
             sample["reuse_hits"] = sum(s.get("reuse") == "hit" for s in session.last_stats)
+            sample["reuse_key_s"] = max((s.get("reuse_key_s", 0.0) for s in session.last_stats), default=0.0)
             return sample
         return one_request(pipe, lambda: pipe(**call_kwargs(), **row.call_kwargs), device, rss, session)
     finally:
@@ -260,7 +262,8 @@ def _add_rerun_speedups(rows: list[Row], results: list[dict]) -> None:
         mine["speedup_vs"] = row.rerun_of if base else None
         mine["speedup"] = base["latency_s"] / mine["latency_s"] if base and mine["latency_s"] > 0 else None
         if mine["speedup"] is not None:
-            mine["label"] = f"{mine['label']} ({mine['speedup']:.2f}x vs {base['label']})"
+            key = f", key {mine['reuse_key_s'] * 1e3:.1f} ms" if mine.get("reuse_key_s") is not None else ""
+            mine["label"] = f"{mine['label']} ({mine['speedup']:.2f}x vs {base['label']}{key})"
 
 
 def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None) -> dict:
@@ -283,4 +286,5 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None)
         "psnr_db": psnr(last["image"], reference) if row.lossy else None,
         "output_sha256": sorted({s.get("output_sha256") or "" for s in samples}),  # >1: not reproducible
         "reuse_hits": last.get("reuse_hits"),
+        "reuse_key_s": statistics.median(s["reuse_key_s"] for s in samples) if "reuse_key_s" in last else None,
     }

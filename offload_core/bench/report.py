@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 from .rows import BASELINE_KEY
+from .verdict import SPREAD_LIMIT
 
-DIAL_KEYS = ("ram_async", "device_25", "device_50", "device_75", "gpu")
-
-JSON_VERSION = 1
+JSON_VERSION = 2  # 2: each row's range, the machine's load and free memory, the recommendation
 
 
 def _mib(n: int | None) -> str:
@@ -47,22 +45,46 @@ def device_memory_column(rows: list[dict]) -> tuple[str, str]:
     return "peak_kv_device", "peak device-resident KV MiB (engine)"
 
 
-def table(rows: list[dict], hardware_line: str, settings: str) -> str:
+def memory_axis(rows: list[dict], device: str) -> str:
+    """The device-memory figure named for what it is on `device` (on a CPU the compute device's memory is RAM)."""
+    field, _ = device_memory_column(rows)
+    if field == "peak_device_allocated":
+        return "peak VRAM allocated by torch (MiB, max_memory_allocated)"
+    where = "RAM (the CPU's own memory)" if device.startswith("cpu") else f"{device} memory"
+    return f"peak K/V resident in {where}, MiB (engine figure)"
+
+
+def _range(r: dict) -> str:
+    return f"{r['latency_min_s']:.2f}-{r['latency_max_s']:.2f}" + (" !" if r.get("noisy") else "")
+
+
+def verdict_lines(verdict: dict, cautions: list[str]) -> list[str]:
+    """The recommendation and what this run cannot settle, as the lines under the table."""
+    lines = [f"Recommendation: {verdict['headline']} ({verdict['call']}).",
+             *(f"  - {reason}." for reason in verdict["why"])]
+    return lines + [f"Note: {caution}" for caution in cautions]
+
+
+def table(rows: list[dict], hardware_line: str, settings: str, verdict: dict | None = None,
+          cautions: tuple = ()) -> str:
     field, device_header = device_memory_column(rows)
-    headers = ["mode", "median s", "x gpu", device_header, "peak RSS MiB", "KV MiB per tier", "exposed wait s"]
+    headers = ["mode", "median s", "range s", "x gpu", device_header, "peak RSS MiB", "KV MiB per tier",
+               "exposed wait s"]
     lossy = any(r.get("kv_error") for r in rows)
     if lossy:
         headers.append("K/V error, image vs exact")
     body = []
     for r in rows:
         ratio = "-" if r["ratio_to_gpu"] is None else f"{r['ratio_to_gpu']:.2f}"
-        body.append([r["label"], f"{r['latency_s']:.3f}", ratio, _mib(r[field]), _mib(r["peak_rss"]),
+        body.append([r["label"], f"{r['latency_s']:.3f}", _range(r), ratio, _mib(r[field]), _mib(r["peak_rss"]),
                      _kv_tiers(r["kv_bytes"]), f"{r['exposed_wait_s']:.3f}", *([_error(r)] if lossy else [])])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) if i in (0, 5, 7) else c.rjust(w)  # noqa: E731
+    line = lambda cells: "| " + " | ".join(c.ljust(w) if i in (0, 6, 8) else c.rjust(w)  # noqa: E731
                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
     out = [line(headers), "|" + "|".join(("-" * (w + 2)) for w in widths) + "|", *map(line, body)]
-    notes = [f"Hardware: {hardware_line}", f"Settings: {settings}"]
+    notes = [f"Hardware: {hardware_line}", f"Settings: {settings}",
+             "Range: the fastest and slowest timed request of the row; ! where they differ by more than "
+             f"{SPREAD_LIMIT:.0%} of the median."]
     if field == "peak_kv_device":
         notes.append("No CUDA allocator here: the device column is the peak of K/V bytes resident on the compute "
                      "device (the engine's figure; for the unpatched rows, the pipeline's own cache).")
@@ -80,43 +102,15 @@ def table(rows: list[dict], hardware_line: str, settings: str) -> str:
                      "the store; PSNR: the final image against the same request with exact storage.")
     if not all(r["peak_rss_exact"] for r in rows):
         notes.append("Peak RSS: sampled after each request (no kernel high-water mark here), a lower bound.")
-    return "\n".join([*out, "", *notes])
+    tail = ["", *verdict_lines(verdict, list(cautions))] if verdict else []
+    return "\n".join([*out, "", *notes, *tail])
 
 
-def write_json(path: str, rows: list[dict], hardware: dict, settings: dict) -> None:
+def write_json(path: str, rows: list[dict], hardware: dict, settings: dict, verdict: dict | None = None,
+               cautions: tuple = ()) -> None:
     field, header = device_memory_column(rows)
     payload = {"v": JSON_VERSION, "hardware": hardware, "settings": settings,
-               "device_memory_column": {"field": field, "label": header}, "rows": rows}
+               "device_memory_column": {"field": field, "label": header}, "verdict": verdict,
+               "cautions": list(cautions), "rows": rows}
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)
-
-
-def write_plot(path: str, rows: list[dict], title: str) -> str | None:
-    """Save a PNG of latency against peak device memory, one point per row. Returns an error message or None."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "--plot needs matplotlib, which is not installed: `pip install matplotlib`. The plot was skipped."
-    field, header = device_memory_column(rows)
-    fig, ax = plt.subplots(figsize=(8.5, 5))
-    markers = "osD^v<>Ph*X"
-    for index, r in enumerate(rows):
-        # Tiers often share a memory figure: a legend stays readable where point labels would overlap.
-        ax.scatter([(r[field] or 0) / 2**20], [r["latency_s"]], s=60, alpha=0.8, marker=markers[index % len(markers)],
-                   label=f"{r['label']} ({r['latency_s']:.2f} s)")
-    dial = sorted((r for r in rows if r["key"] in DIAL_KEYS), key=lambda r: DIAL_KEYS.index(r["key"]))
-    if len(dial) > 1:  # the device budget is a dial: its rows lie on one curve from streamed to resident
-        ax.plot([(r[field] or 0) / 2**20 for r in dial], [r["latency_s"] for r in dial], ":", color="grey",
-                linewidth=1, label="device budget dial")
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    ax.set_xlabel(header)
-    ax.set_ylabel("median full-pipeline latency (s)")
-    ax.set_title("\n".join(textwrap.wrap(title, 100)), fontsize=8)
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return None

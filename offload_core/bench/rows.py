@@ -63,6 +63,9 @@ AUTO_ROW = Row("auto", "auto", "auto")
 RERUN_ROW = Row("rerun", "re-run, ram_async + reuse", "ram_async", rerun_of="ram_async")
 _EXTRA_ROWS = (AUTO_ROW, RERUN_ROW)  # selected by name only
 BASELINE_KEY = "gpu_upstream"
+# The default run: the rows the recommendation chooses between (every place, the dial's two kinds of budget, and
+# no cache), small enough that the table prints within two minutes on two cores. `--modes all`: every row.
+VERDICT_KEYS = ("none", "gpu", "ram_async", "file_async_cold", "device_50", "host_50")
 
 # Shorthands accepted by --modes besides the row keys: a mode name selects all its rows.
 _ALIASES = {
@@ -79,8 +82,10 @@ _ALIASES = {
 
 
 def select_rows(spec: str | None) -> list[Row]:
-    """Rows named by a comma-separated `--modes` value (None or "all": every row), in table order."""
-    if spec is None or spec.strip() in ("", "all"):
+    """Rows named by a comma-separated `--modes` value (None: the verdict's rows; "all": every row), in table order."""
+    if spec is None:
+        return [row for row in ALL_ROWS if row.key in VERDICT_KEYS]
+    if spec.strip() in ("", "all"):
         return list(ALL_ROWS)
     by_key = {row.key: row for row in (*ALL_ROWS, *_EXTRA_ROWS)}
     wanted: set[str] = set()

@@ -1,24 +1,9 @@
-"""`python -m offload_core stream`: how close each tier streams to this machine's limits, and how much it hides.
-
-In one run, on one cache (default 1 GiB in 64 MiB layers) and one directory:
-
-1. raw limits: the best `O_DIRECT` write and read throughput over queue depths in that directory, a RAM
-   memcpy, and pinned host<->device copies on CUDA (see `rawio`);
-2. per tier: the extraction writes (every `put`, until the last layer is stored — on disk for the file tiers)
-   and the get loop (every layer in order, nothing else), each against its raw limit;
-3. per async tier: the same loop with a synthetic compute of `--compute-ratio` x the tier's own per-layer read
-   time after each `get` — `torch.cuda._sleep` on the consumer stream on CUDA (the device is busy, the host is
-   free, as with a real kernel), `time.sleep` on a CPU — and the exposed wait (loop time minus compute time)
-   as a share of the transfer time: what prefetching failed to hide.
-"""
+"""The measuring behind `python -m offload_core stream` (its options and checks: `streamcli`)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
-import sys
 import tempfile
 import time
 from typing import Dict, List
@@ -29,46 +14,6 @@ from .. import KVStore, OffloadConfig
 from ..tiers import fileio, fileowner
 from . import rawio, streamreport
 from .rawio import GiB
-
-TIERS = ["ram_sync", "ram_async", "file_sync", "file_async"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m offload_core stream", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", help="consuming device (default: cuda if available, else cpu)")
-    p.add_argument("--cache-mib", type=int, default=1024, help="size of the whole cache in MiB (default 1024)")
-    p.add_argument("--layer-mib", type=int, default=64, help="size of one layer (K and V) in MiB (default 64)")
-    p.add_argument("--dir", help="directory for the file tiers and the raw file test (default: the temp dir)")
-    p.add_argument("--depths", default="1,2,4,8,16", help="queue depths of the raw file sweep (default 1,2,4,8,16)")
-    p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated tiers (default {','.join(TIERS)})")
-    p.add_argument("--prefetch-depth", type=int, default=2, help="prefetch depth of the async tiers (default 2)")
-    p.add_argument("--compute-ratio", type=float, default=1.5,
-                   help="synthetic compute per layer, as a multiple of the tier's per-layer read time (default 1.5)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of raw limits and tiers, interleaved; each figure is the median round (default 3)")
-    p.add_argument("--json", metavar="FILE", help="also write every figure to this JSON file")
-    return p
-
-
-def _check(args, parser) -> None:
-    if args.layer_mib < 1 or args.cache_mib < args.layer_mib:
-        parser.error(f"--layer-mib must be >= 1 and <= --cache-mib; got {args.layer_mib} and {args.cache_mib}.")
-    if not 1 <= args.rounds <= 20:
-        parser.error(f"--rounds must be between 1 and 20; got {args.rounds}.")
-    if not 0 <= args.compute_ratio <= 100:
-        parser.error(f"--compute-ratio must be between 0 and 100; got {args.compute_ratio}.")
-    unknown = set(args.tiers.split(",")) - set(TIERS)
-    if unknown:
-        parser.error(f"--tiers: unknown {sorted(unknown)}; pick from {', '.join(TIERS)}.")
-    if args.dir is not None and not os.path.isdir(args.dir):
-        parser.error(f"--dir {args.dir!r} is not an existing directory; create it first.")
-    try:
-        args.depths = sorted({int(d) for d in args.depths.split(",")})
-    except ValueError:
-        parser.error(f"--depths must be comma-separated integers, e.g. 1,2,4,8; got {args.depths!r}.")
-    if not args.depths or args.depths[0] < 1:
-        parser.error(f"--depths must all be >= 1; got {args.depths}.")
 
 
 def _layer(nbytes: int, device: torch.device):
@@ -212,16 +157,3 @@ def _io_depth() -> int:
     from ..tiers.file import IO_DEPTH
 
     return IO_DEPTH
-
-
-def main(argv: List[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _check(args, parser)
-    result = run(args)
-    print(streamreport.table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
-    return 0 if all(r["exact"] for r in result["rows"]) else 1

@@ -31,8 +31,7 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
 
 from .. import KVStore, KVWriteError
-from .qwenimage21 import plain_items
-from .session import OffloadSession
+from .session import OffloadSession, ours
 
 logger = logging.getLogger(__name__)
 
@@ -165,21 +164,24 @@ def install(session: OffloadSession, transformer) -> None:
                                      upstream.num_ref_tokens, on_clear=session.end_request)
         upstream.clear()
         session.mark_complete(store)
+        if store.config.storage != "exact":  # attend to the decoded references, as every later step and a reuse hit do
+            cached_args, cached_kwargs = _as_cached_call(session, module, args, kwargs, store, _Extract(), cache=ours)
+            output = module(*cached_args, **cached_kwargs)
         if isinstance(output, tuple):
             return (output[0], ours, *output[2:])
         output.kv_cache = ours
         return output
 
-    session.add_hook(transformer.register_forward_pre_hook(open_store, with_kwargs=True))
+    session.add_hook(transformer.register_forward_pre_hook(ours(open_store), with_kwargs=True))
     if not _blocks_compiled(transformer):
         for kind, blocks in (("double", transformer.transformer_blocks), ("single", transformer.single_transformer_blocks)):
             for index, block in enumerate(blocks):
-                handle = block.register_forward_hook(_block_hook(extract, (kind, index)), with_kwargs=True)
+                handle = block.register_forward_hook(ours(_block_hook(extract, (kind, index))), with_kwargs=True)
                 block_hooks.append(handle)
                 session.add_hook(handle)
     else:
         _drop_block_hooks(block_hooks)
-    session.add_hook(transformer.register_forward_hook(swap_output, with_kwargs=True))
+    session.add_hook(transformer.register_forward_hook(ours(swap_output), with_kwargs=True))
 
 
 def _drop_block_hooks(handles: list) -> None:
@@ -215,10 +217,9 @@ def _reuse_key(session: OffloadSession, transformer, kwargs):
     guidance = kwargs.get("guidance")
     if guidance is not None:
         tensors.append(guidance)
-    extra, extra_tensors = plain_items(kwargs.get("joint_attention_kwargs"))
-    header = ("flux2", str(hidden.dtype), str(hidden.device), n, repr(float(kwargs.get("ref_fixed_timestep", 0.0))),
-              guidance is not None, extra)
-    return session.reuse_key("flux2", transformer, header, tensors + extra_tensors)
+    header = ("flux2", str(hidden.dtype), n, repr(float(kwargs.get("ref_fixed_timestep", 0.0))), guidance is not None)
+    return session.reuse_key("flux2", transformer, hidden.device, header, tensors,
+                             kwargs.get("joint_attention_kwargs"))
 
 
 def _ref_ids(img_ids: torch.Tensor, n: int, *, ref: bool) -> torch.Tensor:
@@ -228,11 +229,12 @@ def _ref_ids(img_ids: torch.Tensor, n: int, *, ref: bool) -> torch.Tensor:
     return img_ids[:n] if ref else img_ids[n:]
 
 
-def _as_cached_call(session: OffloadSession, transformer, args, kwargs, store: KVStore, extract: _Extract):
-    """Turn an extract call into the cached call of a later step, served by the kept `store`."""
+def _as_cached_call(session: OffloadSession, transformer, args, kwargs, store: KVStore, extract: _Extract,
+                    cache: OffloadedFlux2KVCache | None = None):
+    """Turn an extract call into the cached call of a later step, served by `store` (kept, or just filled)."""
     n = int(kwargs["num_ref_tokens"])
-    ours = OffloadedFlux2KVCache(store, len(transformer.transformer_blocks), len(transformer.single_transformer_blocks),
-                                 n, on_clear=session.end_request)
+    ours = cache or OffloadedFlux2KVCache(store, len(transformer.transformer_blocks),
+                                          len(transformer.single_transformer_blocks), n, on_clear=session.end_request)
     extract.hit = ours
     cached = {**kwargs, "hidden_states": kwargs["hidden_states"][:, n:],
               "img_ids": _ref_ids(kwargs["img_ids"], n, ref=False),

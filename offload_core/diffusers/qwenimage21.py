@@ -24,7 +24,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache, QwenImage21KVLayerCache
 
 from .. import KVStore, KVWriteError, Mode
-from .session import OffloadSession
+from .session import OffloadSession, ours
 
 _IMG_TOKENS_PER_SLOT = 4  # one vision-language image slot stands for 2x2 latent tokens
 
@@ -124,10 +124,15 @@ def install(session: OffloadSession, transformer) -> None:
                     ours.write_failed(exc)  # the later steps recompute the prefix
                     return None
                 session.mark_complete(ours.kv_store)
+                if ours.kv_store.config.storage != "exact":
+                    # Lossy storage: this step attends to the decoded prefix, as every later step and a reuse
+                    # hit do, so the image does not depend on whether the prefix was just made or kept.
+                    ours.extracting = False
+                    return module(*args, **{**kwargs, "kv_cache": ours, "kv_cache_mode": "cached"})
         return None
 
-    session.add_hook(transformer.register_forward_pre_hook(swap_cache, with_kwargs=True))
-    session.add_hook(transformer.register_forward_hook(flush_last_layer, with_kwargs=True))
+    session.add_hook(transformer.register_forward_pre_hook(ours(swap_cache), with_kwargs=True))
+    session.add_hook(transformer.register_forward_hook(ours(flush_last_layer), with_kwargs=True))
 
 
 def _open_cache(session: OffloadSession, transformer, kwargs, key=None) -> OffloadedQwenKVCache:
@@ -151,22 +156,9 @@ def _reuse_key(session: OffloadSession, transformer, kwargs):
     mask = kwargs.get("encoder_hidden_states_mask")
     if mask is not None:
         tensors.append(mask)
-    extra, extra_tensors = plain_items(kwargs.get("attention_kwargs"))
-    header = ("qwenimage21", repr(img_shapes), str(hidden.dtype), str(hidden.device), mask is not None, extra,
+    header = ("qwenimage21", repr(img_shapes), str(hidden.dtype), mask is not None,
               repr(transformer.config.get("causal_condition")))
-    return session.reuse_key("qwenimage21", transformer, header, tensors + extra_tensors)
-
-
-def plain_items(options) -> tuple:
-    """`(hashable header part, tensors)` of an attention-kwargs dict (e.g. a LoRA `scale`), for a reuse key."""
-    header, tensors = [], []
-    for name, value in sorted((options or {}).items()):
-        if torch.is_tensor(value):
-            header.append((name, "tensor"))
-            tensors.append(value)
-        else:
-            header.append((name, repr(value)))
-    return tuple(header), tensors
+    return session.reuse_key("qwenimage21", transformer, hidden.device, header, tensors, kwargs.get("attention_kwargs"))
 
 
 def _expected_bytes(transformer, kwargs, layers: int) -> int | None:

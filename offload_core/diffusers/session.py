@@ -25,7 +25,8 @@ import threading
 import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
-from ..reuse import PrefixKey, PrefixRegistry, model_fingerprint
+from ..fingerprint import ModelState, Unkeyable, model_state, plain
+from ..reuse import PrefixKey, PrefixRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class OffloadSession:
         self._hooks: list = []
         self._decode_owner = None
         self._fallbacks: dict[int, str] = {}  # id(store) -> what the request does instead, and why
+        self._states: dict[int, ModelState] = {}  # id(transformer) -> its state, read once per request
+        self.refused: str | None = None  # why this request's prefix cannot be keyed (reuse off for it)
+        self._warned: set[str] = set()
 
     # -- stores --------------------------------------------------------------------------------------------
     def open_store(self, device: torch.device, expected_bytes: int | None, key: PrefixKey | None = None) -> KVStore:
@@ -79,12 +83,31 @@ class OffloadSession:
         calling = getattr(_CALLING, "session", None)
         return calling is None or calling is self
 
-    def reuse_key(self, family: str, transformer, header: tuple, tensors: list) -> PrefixKey | None:
-        """The key of a prefix computed by `transformer` from `tensors`, or None when reuse is off."""
+    def reuse_key(self, family: str, transformer, device: torch.device, header: tuple,
+                  tensors: list, options=None) -> PrefixKey | None:
+        """The key of a prefix computed by `transformer` on `device` from `tensors` and the call's attention
+        `options`; None when reuse is off, or when the key cannot read something that may change the prefix
+        (then `refused` says what, for this request)."""
         if self.reuse is None:
             return None
-        identity, probe = model_fingerprint(transformer)
-        return PrefixKey.build((family, id(transformer), identity, *header), [*tensors, probe])
+        try:
+            state = self._states.get(id(transformer))
+            if state is None:  # once per request: the branches of one call share the transformer
+                state = self._states[id(transformer)] = model_state(transformer, device, own=is_ours)
+            described, option_tensors = plain(options or {}, "the attention kwargs")
+            check_numerics(transformer)
+        except Unkeyable as exc:
+            self._refuse(str(exc))
+            return None
+        model = (state.identity, state.digest)
+        return PrefixKey.build((family, id(transformer), model, attention_backend(), self.config.storage,
+                                described, *header), [*tensors, *option_tensors])
+
+    def _refuse(self, why: str) -> None:
+        self.refused = why
+        if why not in self._warned:
+            self._warned.add(why)
+            logger.warning("KV offload: prefix reuse is off for this request: %s", why)
 
     def lookup(self, key: PrefixKey | None) -> KVStore | None:
         """A kept store for `key`, leased to this request until `end_request()`; None: extract."""
@@ -98,11 +121,13 @@ class OffloadSession:
         return entry.store
 
     def _drop_stale(self, key: PrefixKey) -> None:
-        """Evict entries of the same transformer made from other weights: no later request can hit them."""
-        scope, identity, probe = key.header[0][:2], key.header[0][2], key.tensors[-1].cpu()
+        """Evict entries of the same transformer made from other weights (LoRA fused, weights edited): no later
+        request is likely to hit them. Entries of the same weights in another module state stay (a backend or a
+        hook switched off again hits them)."""
+        scope, digest = key.header[0][:2], key.header[0][2][1]
 
         def stale(kept: PrefixKey) -> bool:
-            return kept.header[0][:2] == scope and (kept.header[0][2] != identity or not torch.equal(kept.tensors[-1], probe))
+            return kept.header[0][:2] == scope and kept.header[0][2][1] != digest
 
         self.reuse.evict_where(stale, "the transformer's weights changed", leased=False)
 
@@ -143,6 +168,8 @@ class OffloadSession:
         keys, complete = self._keys, self._complete
         self._keys, self._complete = {}, set()
         self._bindings.clear()
+        states, self._states = self._states, {}
+        refused, self.refused = self.refused, None
         if not stores and not leases:
             return
         stats, errors = [], []
@@ -156,6 +183,8 @@ class OffloadSession:
             key = keys.get(id(store)) if raise_errors and id(store) in complete else None
             entry_stats = _stats_of(store, "off" if self.reuse is None else "not kept", errors)
             entry_stats["fallback"] = self._fallbacks.pop(id(store), None)  # a store that fell back is never kept
+            if refused is not None:
+                entry_stats.update(reuse="off", reuse_refused=refused)
             try:
                 if key is not None and not store.closed and self.reuse.admit(key, store, label=store.name):
                     entry_stats["reuse"] = "kept"
@@ -165,6 +194,9 @@ class OffloadSession:
                 errors.append(exc)
                 _close_quietly(store)
             stats.append(entry_stats)
+        key_s = sum(state.seconds for state in states.values())
+        for entry_stats in stats:
+            entry_stats["reuse_key_s"] = key_s  # reading the model for the key, once per request
         self.last_stats = stats
         _log_summary(stats)
         interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
@@ -207,6 +239,49 @@ class OffloadSession:
             pipe = self.pipe
             object.__setattr__(pipe, "__class__", type(pipe)._kv_offload_base)
             object.__delattr__(pipe, _SESSION_ATTR)
+
+
+def ours(hook):
+    """Marks a hook this adapter installs: the reuse key leaves it out (it does not change the prefix)."""
+    hook._kv_offload = True
+    return hook
+
+
+def is_ours(hook) -> bool:
+    return getattr(hook, "_kv_offload", False) is True
+
+
+PROVEN_BACKENDS = {"native"}  # where a hit (a cached step 0) is bit-identical to an extract step 0, by test
+
+
+def check_numerics(transformer) -> None:
+    """Refuses numerics under which a hit is not proven bit-identical to a fresh request. A hit runs step 0 as a
+    cached call (target queries only), a fresh request as an extract call (every query): under an attention
+    backend or a matmul precision whose kernels round differently for another number of rows (`_native_math`;
+    float32 matmuls in reduced precision, "high" / "medium", TF32 on a GPU) the image changes in its last bits
+    although the prefix is the same. Found by the property run (tests/diffusers/reuse_property.py)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        raise Unkeyable(f"float32 matmuls run at precision {precision!r}, under which a hit is not proven to give "
+                        "the same bits as a fresh request (set torch.set_float32_matmul_precision('highest'))")
+    names = {str(getattr(_AttentionBackendRegistry.get_active_backend()[0], "value", "?"))}
+    names |= {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
+              for m in transformer.modules()
+              if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None}
+    unproven = sorted(names - PROVEN_BACKENDS)
+    if unproven:
+        raise Unkeyable(f"the attention backend {', '.join(unproven)} is not proven to give a hit the same bits as "
+                        "a fresh request (its kernels may round differently for a cached step)")
+
+
+def attention_backend() -> str:
+    """diffusers' attention backend in force (`attention_backend(...)` context or `set_active_backend`)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    name, _ = _AttentionBackendRegistry.get_active_backend()
+    return f"{name}, checks {_AttentionBackendRegistry._checks_enabled}"
 
 
 def session_of(pipe) -> OffloadSession | None:

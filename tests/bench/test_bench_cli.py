@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("diffusers", reason="the benchmark needs diffusers 0.42")
 
-from offload_core.bench import main, report  # noqa: E402
+from offload_core.bench import main  # noqa: E402
 from offload_core.bench.measure import RssPeak  # noqa: E402
 from offload_core.bench.rows import ALL_ROWS, select_rows  # noqa: E402
 
@@ -16,8 +16,10 @@ COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device
            "exposed_wait_s", "tiers", "label", "key"}
 
 
-def test_default_rows_are_the_fifteen_of_the_table():
+def test_the_default_rows_are_the_verdicts_and_all_is_the_fifteen_of_the_table():
     assert [r.key for r in select_rows(None)] == [
+        "none", "gpu", "ram_async", "file_async_cold", "device_50", "host_50"]
+    assert [r.key for r in select_rows("all")] == [
         "none", "gpu_upstream", "gpu", "ram_sync", "ram_async",
         "file_sync_warm", "file_async_warm", "file_sync_cold", "file_async_cold",
         "device_25", "device_50", "device_75", "host_50", "gpu_fp8", "gpu_int8"]
@@ -52,12 +54,19 @@ def test_short_run_prints_the_table_and_writes_every_row_and_column(tmp_path, ca
     for label in ("no cache", "gpu, upstream lifetime", "gpu, pre-VAE cleanup", "ram_async", "file_sync, cold"):
         assert label in printed
     assert "Hardware:" in printed and "peak device-resident KV MiB (engine)" in printed
+    assert " range s |" in printed and printed.count("Recommendation: Use mode ") == 1
 
     data = json.loads(out_json.read_text())
     rows = {r["key"]: r for r in data["rows"]}
     assert list(rows) == [r.key for r in select_rows(modes)]
     assert all(COLUMNS <= set(r) for r in rows.values())
     assert data["hardware"]["cpu_count"] >= 1 and data["settings"]["steps"] == 2
+    load, free = data["hardware"]["load"], data["hardware"]["free"]
+    assert load["before"]["cpu_count"] >= 1 and len(load["after"]["load_avg"]) == 3 and free["ram"] > 0
+    verdict = data["verdict"]
+    assert verdict["mode"] in ("gpu", "ram_async", "file_async", "off") and verdict["evidence"] in rows
+    assert verdict["headline"] in printed and all(reason in printed for reason in verdict["why"])
+    assert all(r["latency_min_s"] <= r["latency_s"] <= r["latency_max_s"] for r in rows.values())
     assert rows["gpu_upstream"]["ratio_to_gpu"] == pytest.approx(1.0)
     # The same K/V, wherever it lives: the upstream cache, our gpu tier, RAM and files hold identical byte counts.
     kv = rows["gpu_upstream"]["kv_bytes"]["device"]
@@ -73,9 +82,11 @@ def test_short_run_prints_the_table_and_writes_every_row_and_column(tmp_path, ca
 
 
 def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    from offload_core.bench.plot import write_plot
+
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    row = {"label": "gpu", "latency_s": 1.0, "peak_device_allocated": None, "peak_kv_device": 1}
-    message = report.write_plot(str(tmp_path / "p.png"), [row], "t")
+    row = {"key": "gpu", "label": "gpu", "latency_s": 1.0, "peak_device_allocated": None, "peak_kv_device": 1}
+    message = write_plot(str(tmp_path / "p.png"), [row], "t", "cpu")
     assert "pip install matplotlib" in message and not (tmp_path / "p.png").exists()
 
 

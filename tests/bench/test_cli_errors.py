@@ -31,12 +31,24 @@ BAD = {
     "demo mib 0": (["demo", "--mib", "0"], "--mib must be at least"),
     "demo device banana": (["demo", "--device", "banana"], "is not a device name"),
     "unknown command": (["banana"], "unknown command 'banana'"),
+    "stream device banana": (["stream", "--device", "banana"], "--device 'banana' is not a device name"),
+    "stream prefetch depth 0": (["stream", "--prefetch-depth", "0"], "--prefetch-depth must be between 1 and 8"),
+    "stream json folder missing": (["stream", "--json", "{tmp}/missing/s.json"], "does not exist"),
+    "stream rounds not a number": (["stream", "--rounds", "x"], "invalid int value"),
+    "stream unknown option": (["stream", "--bogus"], "unrecognized arguments: --bogus"),
+    "stream layer 0": (["stream", "--layer-mib", "0"], "--layer-mib must be >= 1"),
+    "bench threads 0": (["bench", "--threads", "0"], "--threads must be >= 1"),
 }
+if os.path.isdir("/proc/self"):  # a folder where nothing can be created, for root too (os.access says yes to root)
+    BAD["bench json in /proc"] = (["bench", "--json", "/proc/kv.json"], "--json '/proc/kv.json' cannot be written")
+    BAD["stream json in /proc"] = (["stream", "--json", "/proc/kv.json"], "cannot be written")
+    BAD["stream dir /proc"] = (["stream", "--dir", "/proc"], "--dir '/proc': nothing can be created there")
 if not torch.backends.mps.is_available():
     BAD["device mps"] = (["bench", "--device", "mps"], "has no MPS device")
 if not torch.cuda.is_available():
     BAD["device cuda"] = (["bench", "--device", "cuda"], "has no CUDA device")
     BAD["demo device cuda"] = (["demo", "--device", "cuda:0"], "has no CUDA device")
+    BAD["stream device cuda"] = (["stream", "--device", "cuda"], "has no CUDA device")
 else:
     BAD["device cuda index"] = (["bench", "--device", f"cuda:{torch.cuda.device_count()}"], "numbered from 0")
 
@@ -70,13 +82,56 @@ def _run_all(cases: dict, tmp_path, env=None) -> dict:
 
 
 def test_as_a_command_too_one_line_and_exit_2(tmp_path):
-    some = ("json folder missing", "device banana", "model missing", "demo layers 0", "unknown command")
+    some = ("json folder missing", "device banana", "model missing", "demo layers 0", "unknown command",
+            "stream prefetch depth 0", "stream device banana")
     results = _run_all({name: BAD[name] for name in some}, tmp_path)
     for name, (rc, out, err) in results.items():
         expected = BAD[name][1]
         assert (rc, out) == (2, ""), f"{name}: rc {rc}, stdout {out!r}, stderr {err!r}"
         assert err.count("\n") == 1 and expected in err, f"{name}: {err!r}"
     assert sorted(os.listdir(tmp_path)) == []  # no output file, no folder made
+
+
+NO_TORCH = textwrap.dedent("""
+    import contextlib, io, sys
+    from offload_core.__main__ import main
+    for argv in sys.argv[1:]:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                code = main(argv.split())
+            except SystemExit as exc:
+                code = exc.code
+        print(argv, code, "torch" in sys.modules)
+""")
+
+
+def test_help_and_usage_errors_answer_without_importing_torch(tmp_path):
+    cases = ["--help", "bench --help", "stream --help", "demo --help", "bench --runs 0", "bench --modes vram",
+             f"bench --json {tmp_path}/no/x.json", f"bench --model {tmp_path}/none", "stream --prefetch-depth 0",
+             "stream --device banana", "stream --rounds x", "demo --layers 0", "banana"]
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, *cases], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    codes = {argv: line.rsplit(" ", 2)[1:] for argv, line in zip(cases, done.stdout.splitlines())}
+    assert codes == {argv: ["0" if "--help" in argv else "2", "False"] for argv in cases}
+
+
+def test_an_output_path_is_checked_by_creating_it_and_nothing_is_left_or_changed(tmp_path):
+    from offload_core import cliargs
+
+    parser = cliargs.Parser(prog="p")
+    existing = tmp_path / "kept.json"
+    existing.write_text("earlier results")
+    cliargs.output_file(parser, "--json", str(existing))
+    cliargs.output_file(parser, "--json", str(tmp_path / "new.json"))
+    cliargs.output_folder(parser, "--dir", str(tmp_path))
+    assert existing.read_text() == "earlier results" and sorted(os.listdir(tmp_path)) == ["kept.json"]
+
+
+def test_the_stream_depth_limit_is_the_engines():
+    from offload_core.bench import streamcli
+    from offload_core.config import MAX_PREFETCH_DEPTH
+
+    assert streamcli.MAX_PREFETCH_DEPTH == MAX_PREFETCH_DEPTH
 
 
 def test_help_lists_the_commands_and_no_argument_prints_it(capsys):
@@ -89,15 +144,15 @@ def test_help_lists_the_commands_and_no_argument_prints_it(capsys):
 
 
 def test_demo_passes_and_says_so(capsys):
-    from offload_core import demo
+    from offload_core import democli
 
-    assert demo.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 0
+    assert democli.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 0
     out = capsys.readouterr().out
     assert out.count(" yes    yes ") == 5 and "every tier returned every layer bit-identical" in out
 
 
 def test_demo_fails_when_a_round_trip_is_not_exact(monkeypatch, capsys):
-    from offload_core import demo
+    from offload_core import demo, democli
 
     class Corrupting(demo.KVStore):
         def get(self, key):
@@ -105,7 +160,7 @@ def test_demo_fails_when_a_round_trip_is_not_exact(monkeypatch, capsys):
             return k + 1, v  # what a broken tier would hand back
 
     monkeypatch.setattr(demo, "KVStore", Corrupting)
-    assert demo.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 1
+    assert democli.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 1
     captured = capsys.readouterr()
     rows = captured.out.splitlines()[2:]
     assert len(rows) == 5 and all(row.split()[2] == "NO" for row in rows)  # the "exact" column

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_core.__main__ import main as offload_main
-from offload_core.bench import stream, streamreport
+from offload_core.bench import stream, streamcli, streamreport
 
 
 def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
@@ -41,7 +41,7 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
 ])
 def test_bad_options_are_refused_with_the_rule(argv, match, capsys):
     with pytest.raises(SystemExit):
-        stream.main(argv)
+        streamcli.main(argv)
     assert match in capsys.readouterr().err
 
 
@@ -56,7 +56,7 @@ def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, 
         real(*args)
 
     monkeypatch.setattr(file_tier, "pwrite_all", slow)
-    args = stream.build_parser().parse_args(["--cache-mib", "16", "--layer-mib", "4", "--compute-ratio", "0"])
+    args = streamcli.build_parser().parse_args(["--cache-mib", "16", "--layer-mib", "4", "--compute-ratio", "0"])
     k, v = stream._layer(4 << 20, torch.device("cpu"))
     row = stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
     # 4 layers, each one data chunk and then its header, the headers one after another on the write lane:
@@ -122,7 +122,7 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
     monkeypatch.setattr(stream.rawio, "file_limits", lambda *a: {"write_gib_s": {1: 1.0}, "read_gib_s": {1: 1.0}})
     monkeypatch.setattr(stream.rawio, "ram_limit", lambda n: 1.0)
     monkeypatch.setattr(streamreport, "combine", lambda rounds, device: ({"file": {}}, []))
-    args = stream.build_parser().parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2",
+    args = streamcli.build_parser().parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2",
                                              "--tiers", "file_sync,file_async", "--device", "cpu"])
     stream.run(args)
     assert calls == ["raw", "file_sync", "raw", "file_async", "raw", "raw", "file_async", "raw", "file_sync", "raw"]
@@ -161,7 +161,7 @@ def test_the_hiding_loop_is_measured_in_its_steady_state(tmp_path, monkeypatch):
 
     monkeypatch.setattr(stream, "_pass", recording_pass)
     monkeypatch.setattr(stream._Compute, "__call__", lambda self: events.append("compute"))
-    args = stream.build_parser().parse_args(["--cache-mib", "8", "--layer-mib", "4"])
+    args = streamcli.build_parser().parse_args(["--cache-mib", "8", "--layer-mib", "4"])
     k, v = stream._layer(4 << 20, torch.device("cpu"))
     stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
     assert events[:3] == ["get pass", "get pass", "compute"]

@@ -53,3 +53,39 @@ def test_choose_tier_table(free_device, free_host, unified, expected):
 def test_partial_pin_budget_is_reported():
     mode, why = choose_tier(8 * GiB, 2 * GiB, 64 * GiB, None, pin_budget=4 * GiB)
     assert mode is Mode.RAM_ASYNC and "4.00 GiB of it pinned" in why
+
+
+BAD_FIGURES = [float("nan"), float("inf"), -1, "8 GiB", True, [1]]
+
+
+@pytest.mark.parametrize("value", BAD_FIGURES, ids=repr)
+@pytest.mark.parametrize("field", ["free_device_memory", "free_host_memory"])
+def test_a_bad_free_memory_figure_is_refused_at_the_first_put(field, value, monkeypatch):
+    # A NaN compared False against every budget and planned every layer on the device; a string failed later.
+    calls = {"device": lambda d: 64 * GiB, "host": lambda: 64 * GiB}
+    calls["device" if field == "free_device_memory" else "host"] = (lambda d=None: value)
+    host = HostServices(free_device_memory=calls["device"], free_host_memory=calls["host"])
+    store = KVStore(OffloadConfig(mode="auto", storage="int8"), "cpu", host=host)
+    encoded = []
+    monkeypatch.setattr(store._codec, "encode", lambda x: encoded.append(x))  # the first allocation of a put
+    with pytest.raises(ValueError, match=rf"HostServices: `{field}` returned .*must return a byte count >= 0.*"
+                                         "Fix that callable"):
+        store.put(0, torch.ones(1, 2, 16, 8), torch.ones(1, 2, 16, 8))
+    assert encoded == [] and store.plan is None and store.stats()["layers"] == 0
+    store.close()
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), (0, 0), (3.9, 3), (2 * GiB, 2 * GiB)])
+def test_free_memory_figures_accept_byte_counts(value, expected):
+    from offload_core.stats import free_host_memory
+
+    assert free_host_memory(HostServices(free_host_memory=lambda: value)) == expected
+
+
+def test_a_temp_dir_that_is_no_directory_is_refused_before_the_file_place_opens(tmp_path):
+    host = HostServices(free_device_memory=lambda d: 0, free_host_memory=lambda: 0,
+                        temp_dir=lambda: str(tmp_path / "missing"))
+    with KVStore(OffloadConfig(mode="auto"), "cpu", host=host) as store:
+        with pytest.raises(ValueError, match=r"HostServices: `temp_dir` returned .*missing.*existing directory"):
+            store.put(0, torch.ones(1, 2, 16, 8), torch.ones(1, 2, 16, 8))
+    assert list(tmp_path.iterdir()) == []

@@ -181,3 +181,12 @@ def test_memory_snapshot_scopes():
     if torch.cuda.is_available():
         cuda = memory_snapshot("cuda")
         assert cuda["device"]["total"] >= cuda["device"]["free"] and "device_allocated" in cuda["process"]
+
+
+@pytest.mark.parametrize("answer", [None, "yes", 1, torch.ones(1)], ids=["None", "str", "int", "tensor"])
+def test_a_pinner_that_does_not_answer_true_or_false_is_refused(answer):
+    shared = PinBudget(1 << 20)
+    alloc = HostAllocator(pin=True, pin_fn=lambda t: answer, unpin_fn=lambda t: None, shared=shared)
+    with pytest.raises(ValueError, match=r"HostServices: `pin` returned .*must page-lock the tensor .*return False"):
+        alloc.alloc(4096)
+    assert alloc.pinned_bytes == 0 and shared.used == 0  # the reservation went back

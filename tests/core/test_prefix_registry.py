@@ -11,7 +11,7 @@ import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
 from offload_core import prefix, reuse
-from offload_core.reuse import PrefixKey, PrefixRegistry, model_fingerprint, parse_budget
+from offload_core.reuse import PrefixKey, PrefixRegistry, parse_budget
 
 TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
 LAYERS = 3
@@ -182,22 +182,6 @@ def test_budget_errors_name_the_option_and_the_fix():
     assert parse_budget(5) == {"device": 5, "host": 5, "file": 5}
 
 
-def test_model_fingerprint_follows_the_weights_not_their_placement():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
-    ident, probe = model_fingerprint(model)
-    for p in model.parameters():  # what model CPU offload does every request: same values, new storage
-        p.data = p.data.clone()
-    assert model_fingerprint(model)[0] == ident and torch.equal(model_fingerprint(model)[1], probe)
-    with torch.no_grad():
-        model[0].weight.add_(0)  # an in-place edit: the version counter moves even if the values do not
-    assert model_fingerprint(model)[0] != ident
-    ident, probe = model_fingerprint(model)
-    model[0].weight.data += 1  # a fused LoRA: `.data` edits bypass the version counter; the probe sees them
-    assert not torch.equal(model_fingerprint(model)[1], probe)
-    model.add_module("lora", torch.nn.Linear(4, 1))  # an adapter loaded: new parameters
-    assert model_fingerprint(model)[0] != ident
-
-
 def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_path):
     registry = PrefixRegistry({"host": 1 << 30})
     store, layers = filled_store("ram_sync", tmp_path)
@@ -208,6 +192,25 @@ def test_an_entry_evicted_while_read_is_closed_only_when_its_reader_is_done(tmp_
     assert torch.equal(store.get(0)[0], layers[0][0])  # ...still readable by the request that holds it
     registry.release(entry)
     assert store.closed and len(registry) == 0
+
+
+def test_an_admission_that_cannot_succeed_evicts_nothing(tmp_path):
+    small, _ = filled_store("ram_sync", tmp_path, seed=0)
+    big, _ = filled_store("ram_sync", tmp_path, seed=1, tokens=300)
+    for store in (small, big):
+        store.park()  # as admitted: without the ring's slots, which count as host RAM on a CPU
+    sizes = [reuse.store_places(s.stats())["host"] for s in (small, big)]
+    registry = PrefixRegistry({"host": sum(sizes)})
+    assert registry.admit(key(torch.zeros(1)), small) and registry.admit(key(torch.ones(1)), big)
+    reading = registry.lookup(key(torch.ones(1)))  # the big entry is in use: evicting the small one frees too little
+    other, _ = filled_store("ram_sync", tmp_path, seed=2, tokens=300)
+    assert not registry.admit(key(torch.full((1,), 2.0)), other) and other.closed
+    stats = registry.stats()
+    assert (stats["entries"], stats["evictions"], stats["rejected"]) == (2, 0, 1) and not small.closed
+    assert "in use" in stats["last_rejection"] and stats["bytes"]["host"] == sum(sizes)
+    registry.release(reading)
+    assert registry.lookup(key(torch.zeros(1))) is not None  # still served
+    registry.close()
 
 
 def test_parked_file_store_served_request_after_request_holds_no_more_host_slots(tmp_path):

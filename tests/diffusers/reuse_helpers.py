@@ -2,6 +2,8 @@
 
 import torch
 
+from offload_core import passive
+
 BIG = {"device": 1 << 30, "host": 1 << 30, "file": 1 << 30}  # room for every tiny cache, on every place
 
 
@@ -10,7 +12,7 @@ class SeqLens:
 
     def __init__(self, pipe):
         self.seen = []
-        self._handle = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = pipe.transformer.transformer_blocks[0].register_forward_pre_hook(passive(self._hook), with_kwargs=True)
 
     def _hook(self, module, args, kwargs):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
@@ -30,7 +32,7 @@ class UpstreamKV:
     def __init__(self, pipe):
         self.calls = []
         t = pipe.transformer
-        self._handles = [t.register_forward_hook(self._hook, with_kwargs=True)]
+        self._handles = [t.register_forward_hook(passive(self._hook), with_kwargs=True)]
 
     def _hook(self, module, args, kwargs, output):
         if kwargs.get("kv_cache_mode") != "extract":

@@ -12,28 +12,8 @@ from kv_offload_pack.nodes.reuse import FLUX_KV_REASON, REUSE
 from kv_offload_pack.nodes.telemetry import TelemetryHub
 from kv_offload_pack.offload_core import HostServices, KVStore
 
-from nodes_tiny import FakePatcher, TinyDiT, Tiny21, sample
-
-
-class Patcher(FakePatcher):
-    """FakePatcher plus the ModelPatcher parts reuse touches: `patches_uuid` and callbacks."""
-
-    def __init__(self, dm, model_options=None):
-        super().__init__(dm, model_options)
-        self.callbacks = {}
-
-    def clone(self):
-        n = super().clone()
-        out = Patcher(n.dm, n.model_options)
-        out.wrappers, out.object_patches, out.callbacks = n.wrappers, n.object_patches, dict(self.callbacks)
-        return out
-
-    def add_callback(self, kind, fn):
-        self.callbacks.setdefault(kind, []).append(fn)
-
-    def detach(self):  # what ModelPatcher.detach does after unloading
-        for fn in self.callbacks.get("on_detach_after", []):
-            fn(self, True)
+from nodes_tiny import TinyDiT, Tiny21, sample
+from reuse_nodes_helpers import Fills, Patcher, own_cache, patched, patched_with, queue
 
 
 @pytest.fixture(autouse=True)
@@ -41,57 +21,6 @@ def _empty_registry():
     REUSE.reset()
     yield
     REUSE.reset()
-
-
-class Fills:
-    """Counts the prefix rows the tiny 2.1 model computes: a fill pass runs its blocks over the prefix."""
-
-    def __init__(self, dm, prefix_len):
-        self.prefix_len, self.count = prefix_len, 0
-        real = dm._attend
-
-        def attend(i, x, *a):
-            if x.shape[1] == self.prefix_len:
-                self.count += 1
-            return real(i, x, *a)
-
-        dm._attend = attend
-
-
-def inputs(seed=0, prompt=0, cfg=False, n_img=6):
-    g = torch.Generator().manual_seed(seed)
-    noise = torch.randn(1, n_img, 32, generator=g)
-    c = torch.Generator().manual_seed(100 + prompt)  # the prompt / reference part: independent of the seed
-    n = 2 if cfg else 1
-    return noise, [torch.randn(1, 5, 32, generator=c) for _ in range(n)], [torch.randn(1, 3, 32, generator=c) for _ in range(n)]
-
-
-def patched(dm, mode="ram_sync", reuse=True, tmp_path=None):
-    host = HostServices(temp_dir=lambda: str(tmp_path)) if tmp_path else None
-    m, _ = apply_offload(Patcher(dm), config_from_inputs(mode), host=lambda p: host, store_factory=KVStore,
-                         reuse=reuse)
-    for name, obj in m.object_patches.items():  # what ModelPatcher does while the model is patched
-        setattr(dm, name.split(".", 1)[1], obj)
-    return m
-
-
-def queue(dm, m, **kw):
-    """One queued graph: ModelPatcher.pre_run, sampling, cleanup."""
-    cfg = kw.pop("cfg", None)
-    noise, refs, txts = inputs(cfg=cfg is not None, **kw)
-    dm.reset_prefix_cache(True)
-    try:
-        return sample(dm, m.options(), noise, refs, txts, cfg=cfg, batched=False)
-    finally:
-        dm.reset_prefix_cache(False)
-
-
-def own_cache(seed, cfg=None):
-    """The model alone, with its own (per-run) prefix cache: the reference."""
-    dm = Tiny21()
-    noise, refs, txts = inputs(seed, cfg=cfg is not None)
-    dm.reset_prefix_cache(True)
-    return sample(dm, {"transformer_options": {}}, noise, refs, txts, cfg=cfg, batched=False)
 
 
 @pytest.mark.parametrize("cfg", [None, 3.0])
@@ -205,3 +134,67 @@ def test_flux_kv_cache_semantics_keep_reuse_off_and_the_latents_unchanged():
     _flux(True, 0, model)
     snap = REUSE.snapshot()
     assert not snap["on"] and snap["reason"] == FLUX_KV_REASON and snap["line"] == f"reuse {FLUX_KV_REASON}"
+
+
+@pytest.mark.parametrize("first, second", [("int8", "exact"), ("exact", "int8"), ("fp8", "int8")])
+def test_another_storage_is_a_miss_and_matches_a_fresh_run(first, second):
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)  # wraps a method of the model: before any key is taken
+    fresh = queue(dm, patched_with(dm, second, reuse=False), seed=1)
+    queue(dm, patched_with(dm, first), seed=0)
+    assert torch.equal(queue(dm, patched_with(dm, second), seed=1), fresh)
+    assert fills.count == 9 and REUSE.snapshot()["hits"] == 0
+
+
+def test_comfyuis_own_cache_dtype_set_downstream_is_a_miss():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    m.model_options["transformer_options"]["qwen_image21_cache"] = {"dtype": "int8"}  # a cache node after ours
+    queue(dm, m, seed=1)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 0
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_a_lossy_hit_equals_a_fresh_lossy_run(storage):
+    dm = Tiny21()
+    fresh = queue(dm, patched_with(dm, storage, reuse=False), seed=1)
+    m = patched_with(dm, storage)
+    assert torch.equal(queue(dm, m, seed=1), fresh)  # the fill pass attends to the decoded prefix too
+    assert torch.equal(queue(dm, m, seed=1), fresh) and REUSE.snapshot()["hits"] == 1
+    assert not torch.equal(fresh, own_cache(1))  # the storage is lossy: the test can tell the two apart
+
+
+def test_a_weight_edited_through_data_is_a_miss():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    dm.qkv[0].data[-1, -1] += 0.5  # no version counter moves, no sampled element changes
+    out = queue(dm, m, seed=1)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 0
+    assert torch.equal(out, queue(dm, patched_with(dm, reuse=False), seed=1))
+
+
+def test_an_option_the_key_cannot_read_turns_reuse_off_with_the_reason():
+    dm = Tiny21()
+    fills = Fills(dm, prefix_len=8)
+    m = patched_with(dm)
+    queue(dm, m, seed=0)
+    m.model_options["transformer_options"]["optimized_attention_override"] = lambda *a, **k: None
+    queue(dm, m, seed=1)
+    snap = REUSE.snapshot()
+    assert fills.count == 6 and snap["hits"] == 0 and "model options" in snap["refused"]
+    assert "off for the last run" in snap["line"]
+    del m.model_options["transformer_options"]["optimized_attention_override"]
+    queue(dm, m, seed=2)
+    assert fills.count == 6 and REUSE.snapshot()["hits"] == 1  # readable again: the kept prefix serves
+
+
+def test_random_changes_never_get_a_stale_hit():
+    from reuse_node_property import node_property_run
+
+    counts = node_property_run(requests=60, seed=3)
+    assert counts["stale"] == 0 and counts["wrong"] == 0, counts
+    assert counts["hits"] >= 10 and counts["refused"] >= 1, counts

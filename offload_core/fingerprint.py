@@ -1,0 +1,269 @@
+"""What a torch model computes a prefix with, as a reuse key can see it — or why it cannot.
+
+A prefix key must cover everything that can change the prefix's K/V (DESIGN.md §3c). For the model that is:
+
+- the weights and buffers by their full content: `content_digest` hashes every byte of every tensor on the
+  device it lives on (exact integer arithmetic, so any single changed bit changes the digest; a write
+  through `.data`, which torch's version counters never see, included);
+- the module tree's state: every module's own attributes (plain values, tensors by content: PEFT's adapter
+  state, scalings, cached rope tables), its training flag, compiled or not, each attention processor's class
+  and instance state;
+- everything wrapped around the forward: torch forward hooks and pre-hooks on any module (global ones too),
+  a replaced `forward`, active torch function / dispatch modes; and the torch numerics flags (TF32, reduced
+  precision reductions, SDPA backends, autocast).
+
+It fails closed: whatever it cannot read as plain values (a user's hook, a processor holding an object, weights
+on the meta device) raises `Unkeyable` with the reason, and the caller turns reuse off for that request. Hooks
+the caller installed itself are passed in as `own` and skipped, and so are hooks declared `passive` (they
+only observe). Weights that live on another device than the
+one computing (model CPU offload, group offloading) are refused too: hashing them every request would cost
+more than a hit saves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+_WORDS = 1 << 21  # 64-bit words hashed per kernel: 16 MiB of int64 temporaries (and of kept weights)
+_MULTIPLIER = 0x9E3779B97F4A7C15  # odd: word i is weighted by an odd number, so a changed word always shows
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+_SKIPPED_ATTRS = {"_parameters", "_buffers", "_modules", "training", "processor", "_compiled_call_impl"}
+
+
+class Unkeyable(Exception):
+    """The key cannot read something that may change the prefix: reuse must be off for this request."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """A model as it affects its outputs now. `identity` is plain and hashable; `digest` covers every weight byte;
+    `seconds` is what computing both cost (reported in the reuse stats)."""
+
+    identity: tuple
+    digest: bytes
+    seconds: float
+
+
+# -- plain values ----------------------------------------------------------------------------------------------
+def plain(value, where: str) -> Tuple[object, List[torch.Tensor]]:
+    """`(hashable description, tensors)` of `value`: scalars, strings, dtypes and containers of them; tensors are
+    returned to be compared by content (their shape and dtype go into the description). Anything else raises
+    `Unkeyable` naming `where` — its repr could hide what changed (torch abbreviates large tensors)."""
+    tensors: List[torch.Tensor] = []
+    return _plain(value, where, tensors), tensors
+
+
+def _plain(value, where: str, tensors: List[torch.Tensor]):
+    if isinstance(value, _PLAIN):
+        return (type(value).__name__, repr(value))
+    if torch.is_tensor(value):
+        tensors.append(value.detach())
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (type(value).__name__, tuple(_plain(v, f"{where}[{i}]", tensors) for i, v in enumerate(items)))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _plain(v, f"{where}[{k!r}]", tensors))
+                              for k, v in sorted(value.items(), key=lambda kv: repr(kv[0]))))
+    fields = getattr(value, "__dataclass_fields__", None)
+    if fields is not None:
+        return (type(value).__qualname__, tuple((n, _plain(getattr(value, n), f"{where}.{n}", tensors)) for n in fields))
+    raise Unkeyable(f"{where} holds a {type(value).__qualname__}, which the reuse key cannot read")
+
+
+# -- weights by content ----------------------------------------------------------------------------------------
+def content_digest(tensors: Sequence[torch.Tensor]) -> bytes:
+    """A digest of every byte of `tensors` (order, shapes and dtypes included), computed on each tensor's device.
+
+    Per tensor: the sum of its 64-bit words, each multiplied by an odd weight that depends on its position,
+    modulo 2**64 — exact, so it does not depend on reduction order or float rounding, and any one changed word
+    changes it. One small copy per device brings the sums to the host.
+    """
+    sums: Dict[torch.device, List[torch.Tensor]] = {}
+    order: List[Tuple[torch.device, int]] = []
+    for t in tensors:
+        per_device = sums.setdefault(t.device, [])
+        order.append((t.device, len(per_device)))
+        per_device.append(_tensor_sum(t))
+    host = {d: torch.stack(s).cpu() for d, s in sums.items()}
+    h = hashlib.sha256()
+    for (device, i), t in zip(order, tensors):
+        h.update(repr((tuple(t.shape), str(t.dtype))).encode())
+        h.update(host[device][i].numpy().tobytes())
+    return h.digest()
+
+
+def _tensor_sum(t: torch.Tensor) -> torch.Tensor:
+    total = torch.zeros(2, dtype=torch.int64, device=t.device)
+    weights = _weights(t.device)
+    for part, words in enumerate(_as_words(t)):
+        for start in range(0, words.numel(), _WORDS):
+            chunk = words[start:start + _WORDS].to(torch.int64)
+            total[0] += (chunk * weights[: chunk.numel()]).sum()
+            total[1] += chunk.sum() * (2 * (start // _WORDS) + 4 * part + 1)  # which chunk a word sits in
+    return total
+
+
+def _as_words(t: torch.Tensor) -> List[torch.Tensor]:
+    """The bytes of `t` as 64-bit words (so a bf16 weight takes a quarter of the elements through the kernels),
+    then the bytes that do not fill a last word, in `t`'s own element width. The grouping depends only on the
+    bytes, never on where the tensor starts in its storage: an unaligned one is copied first."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    if flat.dtype is torch.bool:
+        flat = flat.view(torch.uint8)
+    own = flat.view(_INT_OF_WIDTH[flat.element_size()])
+    per_word = 8 // flat.element_size()
+    whole = flat.numel() // per_word * per_word
+    head = own[:whole]
+    if head.storage_offset() * head.element_size() % 8:
+        head = head.clone()  # a fresh storage starts aligned
+    return [head.view(torch.int64), own[whole:]]
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+_WEIGHTS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    w = _WEIGHTS.get(device)
+    if w is None:
+        pos = torch.arange(_WORDS, dtype=torch.int64, device=device)
+        w = _WEIGHTS[device] = (pos * _MULTIPLIER_SIGNED) | 1  # wraps modulo 2**64; odd at every position
+    return w
+
+
+_MULTIPLIER_SIGNED = _MULTIPLIER - (1 << 64)  # the same 64 bits as a signed int64
+
+
+# -- the model -------------------------------------------------------------------------------------------------
+def model_state(module: torch.nn.Module, compute_device: torch.device,
+                own: Callable[[object], bool] = lambda hook: False) -> ModelState:
+    """The `ModelState` of `module` as it will compute on `compute_device`; raises `Unkeyable`.
+
+    `own(hook)`: True for hooks the caller installed (they do not change the prefix and are left out).
+    """
+    start = time.perf_counter()
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    _check_placement(tensors, compute_device)
+    tree, state_tensors = _module_tree(module, own)
+    identity = (id(module), type(module).__qualname__, torch_state(compute_device),
+                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree)
+    digest = content_digest([t for _, t in tensors] + state_tensors)
+    return ModelState(identity, digest, time.perf_counter() - start)
+
+
+def _check_placement(tensors, compute_device: torch.device) -> None:
+    for name, t in tensors:
+        if t.device.type == "meta":
+            raise Unkeyable(f"the weight {name!r} is on the meta device, so its content cannot be read")
+        if compute_device.type != "cpu" and t.device != compute_device and t.device.type != compute_device.type:
+            raise Unkeyable(f"the weight {name!r} lives on {t.device} while the prefix is computed on "
+                            f"{compute_device} (offloaded weights): hashing them every request would cost more "
+                            "than a hit saves")
+
+
+def _module_tree(module: torch.nn.Module, own) -> Tuple[tuple, List[torch.Tensor]]:
+    _check_hooks("torch's global forward hooks", _global_hooks(), own)
+    modes = _active_modes()
+    if modes:
+        raise Unkeyable(f"a torch {modes} mode is active around the call")
+    parts, tensors = [], []
+    for name, sub in module.named_modules():
+        where = name or type(module).__name__
+        _check_hooks(f"module {where!r}", _hooks_of(sub), own)
+        if _forward_replaced(sub):
+            raise Unkeyable(f"module {where!r} has its forward replaced (an accelerate or diffusers hook, or a "
+                            "patch), which the reuse key cannot read")
+        state, found = _attributes(sub, f"module {where!r}")
+        processor = getattr(sub, "processor", None)
+        proc_state, proc_found = plain(vars(processor) if processor is not None else {}, f"the processor of {where!r}")
+        parts.append((name, type(sub).__qualname__, sub.training, getattr(sub, "_compiled_call_impl", None) is not None,
+                      state, type(processor).__qualname__ if processor is not None else None, proc_state))
+        tensors += found + proc_found
+    return tuple(parts), tensors
+
+
+def _forward_replaced(sub: torch.nn.Module) -> bool:
+    """An instance `forward` other than the class's own (diffusers' hook registry puts the original back as an
+    instance attribute when its last hook goes)."""
+    forward = vars(sub).get("forward")
+    if forward is None:
+        return False
+    return not (getattr(forward, "__func__", None) is type(sub).forward and getattr(forward, "__self__", None) is sub)
+
+
+def _attributes(sub: torch.nn.Module, where: str) -> Tuple[tuple, List[torch.Tensor]]:
+    """A module's own attributes: plain values (tensors by content) as they are, other objects by type only
+    (their hooks and processors are read on their own)."""
+    parts, tensors = [], []
+    for name, value in sorted(vars(sub).items()):
+        if name in _SKIPPED_ATTRS or name.startswith(("_forward", "_backward", "_state_dict", "_load_state")):
+            continue
+        try:
+            described, found = plain(value, f"{where}.{name}")
+        except Unkeyable:
+            described, found = ("object", type(value).__qualname__), []
+        parts.append((name, described))
+        tensors += found
+    return tuple(parts), tensors
+
+
+def _hooks_of(sub: torch.nn.Module) -> Iterable[object]:
+    yield from sub._forward_pre_hooks.values()
+    yield from sub._forward_hooks.values()
+    registry = getattr(sub, "_diffusers_hook", None)
+    if registry is not None:
+        yield from getattr(registry, "hooks", {}).values()
+
+
+def _global_hooks() -> Iterable[object]:
+    from torch.nn.modules import module as torch_module
+
+    yield from torch_module._global_forward_pre_hooks.values()
+    yield from torch_module._global_forward_hooks.values()
+
+
+def passive(hook):
+    """Declares that `hook` (a function or bound method, before it is registered) never changes what its module
+    computes — it only observes (logging, timing, progress) — so a reuse key may leave it out. Returns `hook`."""
+    getattr(hook, "__func__", hook)._kv_offload_passive = True
+    return hook
+
+
+def _check_hooks(where: str, hooks: Iterable[object], own) -> None:
+    for hook in hooks:
+        if not (own(hook) or getattr(hook, "_kv_offload_passive", False) is True):
+            name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+            raise Unkeyable(f"{where} carries the hook {name}, whose effect the reuse key cannot read")
+
+
+def _active_modes() -> Optional[str]:
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if _get_current_function_mode_stack():
+        return "function"
+    if _get_current_dispatch_mode_stack():
+        return "dispatch"
+    return None
+
+
+def torch_state(device: torch.device) -> tuple:
+    """The process-wide torch switches that change what a matmul or an attention computes on `device`."""
+    kind = device.type
+    state = [torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
+             torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None]
+    cuda = torch.backends.cuda
+    state += [cuda.matmul.allow_tf32, cuda.matmul.allow_fp16_reduced_precision_reduction,
+              cuda.matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
+              cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()]
+    return tuple(repr(s) for s in state)
