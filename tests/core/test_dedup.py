@@ -208,3 +208,19 @@ def test_the_broadcast_is_ordered_between_the_copy_and_the_kernels_reading_it(ma
         sim.synchronize()
     for key, k, v in seen:
         assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1]), f"layer {key} came back wrong"
+
+
+@pytest.mark.parametrize("mode", ["gpu", "ram_async", "file_sync"])
+def test_a_row_the_codec_cannot_hold_is_kept_exact_and_still_once(mode, tmp_path):
+    """Dedup first, then the codec: a row holding NaN is kept as put (one row), broadcast back bit for bit."""
+    k, v = batch(4, seed=8)
+    k[:, 3, 1, 2] = float("nan")
+    layers = {0: (k, v), 1: batch(4, seed=9)}
+    with KVStore(config_for(mode, tmp_path, storage="int8"), "cpu") as store:
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
+        got_k, got_v = store.get(0)
+        assert torch.equal(got_k.view(torch.int32), layers[0][0].view(torch.int32))
+        assert torch.equal(got_v, layers[0][1]) and store.get(1)[0].shape == layers[1][0].shape
+        stats = store.stats()
+    assert stats["dedup"]["layers"] == 2 and stats["kv_error"]["exact_layers"] == 1
