@@ -28,7 +28,8 @@ Payload (version `v` = 1; every unknown value is `None`, never -1):
         were freed (end of sampling, before the VAE decode),
     memory: `offload_core.memory_snapshot()` as is (it says which figures are this process, which the device),
     stores: one entry per tracked store, cond before uncond: its `stats()` without any path (no `file_dir`;
-            `on_disk` instead) plus bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
+            `on_disk` instead; `dedup`: the batch rows kept against those put, shown per store) plus
+            bandwidth_bytes_per_s, passes, exposed_wait_per_pass_s, scope="process",
     totals: bytes per location summed over the stores, device_bytes, exposed_wait_s, exposed_wait_per_forward_s,
     animate2_cache (Wan Animate 2 only): {windows, hits, fills, evictions, per_window: {name: readout line}}.
 """

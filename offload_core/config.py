@@ -104,6 +104,9 @@ class OffloadConfig:
         storage: how the bytes are kept: "exact" (default, lossless), "fp8" (float8 e4m3) or "int8", both
             with one scale per token and head, about half the bytes of a bf16/fp16 cache, everywhere the
             cache is kept (the device included). `get` always returns the dtype that was put.
+        dedup: keep a layer whose batch rows are bit-identical (a batch from one prompt and one set of
+            references) as one row, in every place, and broadcast it back at `get` (None: on). False skips
+            the check (one comparison of each layer on the device at `put`).
     """
 
     mode: "Mode | str" = Mode.AUTO
@@ -114,6 +117,7 @@ class OffloadConfig:
     device_budget: Optional[int] = None
     host_budget: Optional[int] = None
     storage: str = "exact"
+    dedup: Optional[bool] = None
 
     def __post_init__(self) -> None:
         mode = Mode.parse(self.mode)
@@ -129,6 +133,7 @@ class OffloadConfig:
         _check_file_options(mode, self.file_dir, self.bypass_page_cache, spills)
         _check_pin_budget(mode, self.pin_budget)
         object.__setattr__(self, "storage", _check_storage(mode, self.storage))
+        _check_dedup(mode, self.dedup)
 
     @property
     def depth(self) -> int:
@@ -136,6 +141,11 @@ class OffloadConfig:
         if self.prefetch_depth is not None:
             return self.prefetch_depth
         return 1 if self.mode.takes_async_options else 0
+
+    @property
+    def dedups(self) -> bool:
+        """Whether stores keep layers with identical batch rows as one row (`dedup.py`)."""
+        return self.dedup is not False
 
     @property
     def bypass(self) -> bool:
@@ -185,6 +195,15 @@ def _check_storage(mode: Mode, storage) -> str:
         raise ValueError(f"`storage` 'fp8' needs torch.float8_e4m3fn, which torch {torch.__version__} lacks. "
                          "Use storage='int8', or upgrade torch.")
     return value
+
+
+def _check_dedup(mode: Mode, dedup) -> None:
+    if dedup is not None and not isinstance(dedup, bool):
+        raise ValueError(f"`dedup` must be True or False (or None: on); got {dedup!r}. Pass dedup=False to turn "
+                         "the check for identical batch rows off.")
+    if dedup is not None and mode is Mode.OFF:
+        raise ValueError(f"`dedup` only applies where a cache is kept; mode 'off' keeps none (got dedup={dedup}). "
+                         "Remove it, or pick another mode.")
 
 
 def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool], spills: bool = False) -> None:

@@ -52,14 +52,15 @@ class LayerLayout:
         return (self.k, self.v)
 
 
-def layout_for(k: torch.Tensor, v: torch.Tensor) -> LayerLayout:
+def layout_for(k: torch.Tensor, v: torch.Tensor, v_from: int = 0) -> LayerLayout:
+    """K at 0, V at the next 4 KiB boundary after K (and at or after byte `v_from`)."""
     for name, t in (("k", k), ("v", v)):
         if t.dtype not in _DTYPES:
             raise TypeError(f"KVStore.put: `{name}` has dtype {t.dtype}, which the store cannot hold; "
                             f"supported: {', '.join(str(d) for d in _DTYPES)}.")
     k_bytes = k.numel() * k.element_size()
     v_bytes = v.numel() * v.element_size()
-    v_off = _align(k_bytes)
+    v_off = _align(max(k_bytes, v_from))
     return LayerLayout(
         TensorSpec(k.dtype, tuple(k.shape), 0, k_bytes),
         TensorSpec(v.dtype, tuple(v.shape), v_off, v_bytes),

@@ -125,4 +125,5 @@ class StoreStats:
             "plan": store.placement(),
             "storage": store.config.storage,
             "kv_error": store.kv_error(),
+            "dedup": store.dedup.as_dict(),  # identical batch rows kept once (dedup.py)
         }

@@ -14,7 +14,8 @@ With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `p
 tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
 copy it reads: resident layers too are kept encoded and decoded into a slot. A layer holding a NaN or an inf
 is kept exactly as put instead (no codec can hold such a value without spreading it or dropping it), served
-like a layer of exact storage, and counted in `stats()["kv_error"]`.
+like a layer of exact storage, and counted in `stats()["kv_error"]`. A layer whose batch rows are identical is
+kept as one row (`dedup.py`: dedup first, then the codec) and broadcast into the slot at `get`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .layout import LayerLayout, layout_for, typed_views, views
 from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
 from .policy import LayerOrder
 from .ring import Layers, Slot, SlotRing
+from .dedup import RowDedup, expand_into, served_layout
 from .stats import StoreStats, free_device_memory, free_host_memory, host_dir
 from .tiers import Tier, TierContext
 from .tiers.base import check_unmodified
@@ -98,6 +100,8 @@ class KVStore:
         self._ring: Optional[SlotRing] = None
         self._layouts: Dict[Hashable, LayerLayout] = {}
         self._kept: Dict[Hashable, LayerLayout] = {}
+        self._rows: Dict[Hashable, int] = {}  # layers kept as one row: the rows they are served as
+        self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
         self._owner: Optional[threading.Thread] = None
@@ -219,17 +223,21 @@ class KVStore:
         if key in self._layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
-        layout = layout_for(k, v)
+        whole = (k, v)
         if self.plan is None:  # the host's figures first: a bad one raises before this store allocates anything
             free = self._free_figures()
+        k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, checked on the device
+        layout = layout_for(*whole) if rows == 1 else served_layout(*whole, k, v)
         if self._codec is not None:
             k, v = self._compact.encode(key, k, v)
-        kept = layout_for(k, v) if self._compact.coded(key) else layout
+        kept = layout_for(k, v) if self._compact.coded(key) or rows > 1 else layout
         if self.plan is None:
             self._make_plan(layout, kept, free)
         place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
         self._tier(place).store(key, k, v, kept)
         self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
+        if rows > 1:
+            self._rows[key] = rows
         self._order.add(key)
         if place == DEVICE:
             self._used[DEVICE] += kept.data_bytes
@@ -254,7 +262,8 @@ class KVStore:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
         self._stats.gets += 1
-        direct = key in self._resident and not self._compact.coded(key)
+        expands = self._compact.coded(key) or key in self._rows  # decoded or broadcast into a slot at get
+        direct = key in self._resident and not expands
         if direct and len(self._resident) == len(self._layouts):
             return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
         ring = self._ring
@@ -281,8 +290,8 @@ class KVStore:
             except BaseException:
                 slot.key = None  # what the slot holds is unknown now: never serve it
                 raise
-        if self._compact.coded(key):
-            self._decode(key, slot)
+        if expands:
+            self._expand(key, slot)
         ring.current = slot
         return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
 
@@ -298,15 +307,18 @@ class KVStore:
             self._ring.release_current()  # an offloaded tier reloads the layer clean next time
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
-    def _decode(self, key: Hashable, slot: Slot) -> None:
-        # On the consumer's stream, which `pending.wait` ordered after the copy into `slot.coded`; the slot's
-        # next load waits for the release fence recorded after this decode and the kernels reading its output.
-        kept = self._kept[key]
+    def _expand(self, key: Hashable, slot: Slot) -> None:
+        # On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded`
+        # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
+        # broadcast and the kernels reading its output.
         try:
-            source = self._tiers[DEVICE].view(key) if key in self._resident else views(slot.coded, kept)
-            out_k, out_v = views(slot.buffer, self._layouts[key])
-            self._codec.decode(source[0], out_k)
-            self._codec.decode(source[1], out_v)
+            coded = self._compact.coded(key)
+            if key in self._resident:
+                source = self._tiers[DEVICE].view(key)
+            else:
+                source = views(slot.coded if coded else slot.buffer, self._kept[key])
+            expand_into(self._streams, self._codec if coded else None, source, slot.buffer, self._layouts[key],
+                        self._rows.get(key, 1))
         except BaseException:
             slot.key = None
             raise

@@ -7,9 +7,12 @@
 #   2. the demo round trip through every tier (32 layers x 2 x 32 MiB);
 #   3. the benchmark at full size (`bench --size full`: Qwen-Image 2.1 and FLUX.2 [klein] 9B KV at their real
 #      widths, 1024x1024, one reference), every row checked bit for bit against the gpu row;
-#   4. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
+#   4. `bench --batch --size full` for both pipelines: a batch of 4 from one prompt against a batch of 1 in gpu,
+#      ram_async and file_async, identical rows kept once and not (bytes kept, moved per step, latency), each
+#      batch-4 row checked bit for bit against the one without dedup (~1.5 min per pipeline, estimated);
+#   5. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
 #
-# Time on one H100-class GPU, about 8 minutes. Estimated from DESIGN section 6 (A100, Qwen-Image 2.1, 1024^2,
+# Time on one H100-class GPU, about 11 minutes. Estimated from DESIGN section 6 (A100, Qwen-Image 2.1, 1024^2,
 # 40 steps): 18.33 s with the cache on the GPU is ~0.46 s a step; an H100 does ~2x, so ~0.23 s a cached step
 # and ~0.46 s for the extracting one. The transfers do not speed up: per step, ram_sync adds ~0.16 s, warm
 # file_sync ~0.9 s, cold file_sync ~2.8 s and cold file_async ~2.4 s (the seed's 24.86 / 55.20 / 128.41 /
@@ -61,6 +64,10 @@ if [ "$with_diffusers" = 1 ]; then
     for pipeline in qwen21 flux2; do
         step "bench-$pipeline" 420 "$py" -m offload_core bench --size full --pipeline "$pipeline" --device cuda \
             --steps "$steps" --runs "$runs" --json "$out/bench-$pipeline.json" "$@"
+    done
+    for pipeline in qwen21 flux2; do  # identical batch rows kept once: batch 4 against 1, dedup on and off
+        step "batch-$pipeline" 420 "$py" -m offload_core bench --batch --size full --pipeline "$pipeline" \
+            --device cuda --steps "$steps" --runs 1 --json "$out/batch-$pipeline.json"
     done
 fi
 step stream "${STREAM_TIMEOUT:-150}" "$py" -m offload_core stream --device cuda --rounds 3

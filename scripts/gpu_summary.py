@@ -104,6 +104,30 @@ def bench_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
+def batch_rows(folder: str, step: str, title: str) -> list:
+    """`bench --batch`: a batch-4 row passes when its images match the batch-4 row without dedup bit for bit."""
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    try:
+        with open(os.path.join(folder, f"{step}.json")) as f:
+            rows = json.load(f)["batch_rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        log = _read(os.path.join(folder, f"{step}.log"))
+        absent = rc == 2 and "unrecognized arguments: --batch" in log
+        status = NOTE if absent or (rc == 2 and "needs about" in log) else FAIL
+        return [(title, status, "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}")]
+    out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    for r in rows:
+        exact = r.get("exact")
+        status = FAIL if exact is False else PASS
+        detail = (f"{r['latency_s']:.2f} s, kept {r['kept_bytes'] / 2**20:.0f} MiB, moved "
+                  f"{r['moved_bytes_per_step'] / 2**20:.0f} MiB/step, rows {r['rows_kept']}/{r['rows_put']}"
+                  + ("" if exact is None else ", bit-exact vs dedup off" if exact else ", NOT bit-exact vs dedup off"))
+        out.append((f"{title}: {r['mode']} batch {r['batch']}", status, detail))
+    return out or [(title, FAIL, "no rows")]
+
+
 def optional_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
@@ -120,6 +144,8 @@ STEPS = [
     (demo_row, "demo", "demo round trip, every tier"),
     (bench_rows, "bench-qwen21", "bench full Qwen-Image 2.1"),
     (bench_rows, "bench-flux2", "bench full FLUX.2 klein 9B"),
+    (batch_rows, "batch-qwen21", "batch 4 vs 1, Qwen-Image 2.1"),
+    (batch_rows, "batch-flux2", "batch 4 vs 1, FLUX.2 klein 9B"),
     (optional_row, "stream", "streaming benchmark"),
 ]
 

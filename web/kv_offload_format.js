@@ -64,6 +64,19 @@ export function tierLine(store) {
   return store.requested && store.requested !== store.tier ? `${store.tier} (asked ${store.requested})` : store.tier;
 }
 
+// Identical batch rows kept once (`stats()["dedup"]`): "1/4 rows kept · 96.0 MiB saved · check 1.20 ms"; null
+// for a batch of one (nothing to share) or a store without the figures.
+export function batchRowsLine(store) {
+  const d = store.dedup;
+  if (!d || typeof d !== "object" || !isKnown(d.rows_put) || !isKnown(d.rows_kept)) return null;
+  if (isKnown(store.layers) && d.rows_put <= store.layers) return null;
+  if (d.enabled === false) return "kept whole: check off";
+  const kept = `${d.rows_kept}/${d.rows_put} rows kept`;
+  const check = `check ${formatDuration(d.check_s)}`;
+  if (!d.layers) return `${kept} (rows differ) \u00b7 ${check}`;
+  return `${kept} \u00b7 ${formatBytes(d.saved_bytes)} saved \u00b7 ${check}`;
+}
+
 export function storeRows(store) {
   const rows = [row("tier", tierLine(store), "store")];
   if (store.reason && store.reason !== "requested") rows.push(row("why", store.reason, "store"));
@@ -72,6 +85,8 @@ export function storeRows(store) {
   } else {
     rows.push(row("holds", formatPlaces(store.bytes), "store"));
   }
+  const rowsLine = batchRowsLine(store);
+  if (rowsLine) rows.push(row("batch rows", rowsLine, "store"));
   const layers = isKnown(store.resident_layers) && isKnown(store.layers) ? ` \u00b7 ${store.resident_layers}/${store.layers} layers` : "";
   rows.push(row("on device", `${formatBytes(store.device_bytes)} (peak ${formatBytes(store.peak_device_bytes)})${layers}`, "store"));
   const t = store.transfers || {};

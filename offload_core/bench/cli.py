@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "configs with random weights made on the device (refused up front when the memory is not there)")
     p.add_argument("--pipeline", choices=("qwen21", "flux2"), default="qwen21",
                    help="which built-in pipeline (default qwen21)")
+    p.add_argument("--batch", action="store_true", help="instead of the mode table: a batch of 4 images from one "
+                   "prompt against a batch of 1 in gpu, ram_async and file_async, with identical rows kept once and "
+                   "not (bytes kept, moved per step, latency; see offload_core/bench/batch.py)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
     p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
     return p
@@ -177,6 +180,9 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(args, parser)
+    if args.batch and (args.modes or args.plot):
+        parser.error("--batch measures its own rows (gpu, ram_async, file_async at batch 1 and 4); drop --modes "
+                     "and --plot.")
     import torch
 
     from . import hardware, report
@@ -187,6 +193,10 @@ def main(argv=None) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
+        if args.batch:
+            from . import batch
+
+            return batch.main(args)
         rows, hw, settings = run(args)
     finally:
         torch.set_num_threads(previous)

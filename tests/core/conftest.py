@@ -6,7 +6,7 @@ import pytest
 from simcuda import SimCuda
 
 ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement", "test_codec_edges",
-           "test_plan_reasons"}
+           "test_plan_reasons", "test_dedup"}
 
 
 def pytest_generate_tests(metafunc):

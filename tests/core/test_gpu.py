@@ -92,3 +92,31 @@ def test_host_services_are_used():
         for i in range(4):
             store.get(i)
     assert calls["pin"] == 4 and calls["unpin"] == 4 and calls["stream"] == 1
+
+
+@pytest.mark.parametrize("mode", TIERS)
+def test_identical_batch_rows_are_checked_and_broadcast_on_the_device(mode, tmp_path):
+    """Rows produced on a non-default stream, changed right after put; one row moves, the batch comes back."""
+    layers, batch = 6, 4
+    x, w = produce(layers, tokens=512)
+    config = OffloadConfig(mode=mode, file_dir=str(tmp_path) if "file" in mode else None)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), KVStore(config, "cuda") as store:
+        reference = []
+        for i in range(layers):
+            k, v = ((x @ w[i, j]).expand(batch, -1, -1).contiguous() for j in range(2))
+            if i == layers - 1:
+                v[-1, 0, 0] += 1  # one element of the last row: kept whole
+            store.put(i, k, v)
+            reference.append((k.clone(), v.clone()))
+            k.mul_(3)
+            v.zero_()
+        for _ in range(3):
+            for i in range(layers):
+                k, v = store.get(i)
+                scores = (x @ k[-1].T).softmax(-1) @ v[-1]
+                assert torch.equal(k, reference[i][0]) and torch.equal(v, reference[i][1])
+                assert torch.isfinite(scores).all()
+        stats = store.stats()
+    torch.cuda.synchronize()
+    assert stats["dedup"]["layers"] == layers - 1 and stats["dedup"]["check_s"] > 0

@@ -55,11 +55,12 @@ def hub():
     return h
 
 
-def make_store(mode="ram_sync", name="cond", layers=3):
+def make_store(mode="ram_sync", name="cond", layers=3, batch=1):
+    """`batch` > 1: every layer has that many identical rows (a batch of one prompt)."""
     store = KVStore(OffloadConfig(mode=mode), "cpu", name=name)
     g = torch.Generator().manual_seed(0)
     for i in range(layers):
-        k = torch.randn(1, 2, 16, 8, generator=g)
+        k = torch.randn(1, 2, 16, 8, generator=g).expand(batch, -1, -1, -1)
         store.put(i, k, k * 2)
     return store
 
@@ -210,7 +211,7 @@ def test_payload_is_strict_json():
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
     """Contract between Python and JS: every figure the hub knows reaches the readout (no dash for it)."""
-    store = make_store("ram_sync")
+    store = make_store("ram_sync", batch=2)
     hub.run_started("r1")
     hub.track("cond", store)
     store.get(0)
@@ -233,6 +234,7 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
                 "KV cond/exposed wait"):
         assert "\u2014" not in rows[key], (key, rows[key])
     assert rows["KV cond/tier"] == "ram_sync"
+    assert rows["KV cond/batch rows"].startswith("3/6 rows kept \u00b7 6.00 KiB saved"), rows["KV cond/batch rows"]
     assert rows["status/run"].startswith("running")
     store.close()
 

@@ -95,3 +95,19 @@ def test_a_real_benchmark_json_has_the_digests_the_summary_checks(tmp_path, one_
 
 def test_the_check_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")]).returncode == 0
+
+
+def batch_json(exact):
+    row = {"latency_s": 2.0, "kept_bytes": 2 << 30, "moved_bytes_per_step": 2 << 30, "rows_put": 128, "rows_kept": 32}
+    rows = [dict(row, mode="ram_async", batch="1", exact=None), dict(row, mode="ram_async", batch="4, dedup off",
+            exact=True), dict(row, mode="ram_async", batch="4", exact=exact)]
+    return json.dumps({"settings": "s", "batch_rows": rows})
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_batch_row_passes_only_when_bit_exact_against_dedup_off(passing, exact, capsys):
+    write(passing, "batch-qwen21", 0 if exact else 1, json=batch_json(exact))
+    assert gpu_summary.main([str(passing)]) == (0 if exact else 1)
+    out = capsys.readouterr().out
+    assert re.search(r"batch 4 vs 1, Qwen-Image 2.1: ram_async batch 4 +(pass|FAIL) +2.00 s, kept 2048 MiB, "
+                     r"moved 2048 MiB/step, rows 32/128, " + ("bit-exact" if exact else "NOT bit-exact"), out), out

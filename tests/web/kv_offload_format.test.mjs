@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 
 import {
   UNKNOWN, barWidth, buildCompact, buildReadout, formatBytes, formatDuration, formatOf, formatPercent,
-  formatPlaces, formatRate, isRunOf, readoutText, rowLead, statusLine, storeRows,
+  batchRowsLine, formatPlaces, formatRate, isRunOf, readoutText, rowLead, statusLine, storeRows,
 } from "../../web/kv_offload_format.js";
 
 const GiB = 2 ** 30;
@@ -113,6 +113,20 @@ test("a fallback tier says what was asked and why", () => {
   assert.match(rows[1].value, /RAM tiers disabled, unified memory/);
   const undecided = storeRows({ ...store, requested: "auto", tier: null });
   assert.equal(undecided[0].value, "auto: not decided yet");
+});
+
+test("a batch's identical rows show as rows kept of rows put, the bytes saved and the check's cost", () => {
+  const [store] = cudaPayload().stores;
+  const dedup = { enabled: true, layers: 32, rows_put: 128, rows_kept: 32, saved_bytes: 6 * GiB, check_s: 0.0042 };
+  const rows = rowsOf(buildReadout(cudaPayload({ stores: [{ ...store, dedup }] })));
+  assert.equal(rows["KV cond/batch rows"].value, "32/128 rows kept \u00b7 6.00 GiB saved \u00b7 check 4.20 ms");
+  assert.equal(batchRowsLine({ ...store, dedup: { ...dedup, layers: 0, rows_kept: 128, saved_bytes: 0 } }),
+    "128/128 rows kept (rows differ) \u00b7 check 4.20 ms");
+  assert.equal(batchRowsLine({ ...store, dedup: { ...dedup, enabled: false, layers: 0, rows_kept: 128 } }),
+    "kept whole: check off");
+  assert.equal(batchRowsLine({ ...store, dedup: { ...dedup, rows_put: 32 } }), null, "a batch of one: no row");
+  assert.equal(batchRowsLine(store), null, "no figures: no row");
+  assert.equal(rowsOf(buildReadout(cudaPayload()))["KV cond/batch rows"], undefined);
 });
 
 test("a closed store shows what it held, not an empty store", () => {
