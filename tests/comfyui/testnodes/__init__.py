@@ -40,11 +40,13 @@ class KVOffloadTestLatent:
                              "height": ("INT", {"default": 4, "min": 1, "max": 1024}),
                              "width": ("INT", {"default": 4, "min": 1, "max": 1024}),
                              "frames": ("INT", {"default": 0, "min": 0, "max": 64,
-                                                "tooltip": "0: a 4-D image latent; n: 5-D with n frames"})}}
+                                                "tooltip": "0: a 4-D image latent; n: 5-D with n frames"})},
+                "optional": {"batch": ("INT", {"default": 1, "min": 1, "max": 8,
+                                               "tooltip": "latents in the batch, each its own noise"})}}
 
-    def make(self, seed, channels, height, width, frames):
+    def make(self, seed, channels, height, width, frames, batch=1):
         g = torch.Generator().manual_seed(seed)
-        shape = (1, channels, height, width) if frames == 0 else (1, channels, frames, height, width)
+        shape = (batch, channels, height, width) if frames == 0 else (batch, channels, frames, height, width)
         return ({"samples": torch.randn(*shape, generator=g)},)
 
 
