@@ -65,24 +65,26 @@ def mount_tmpfs(tmp_path):
 
 @pytest.fixture
 def failing_writes(monkeypatch):
-    """`failing_writes(name, before=None)`: from then on `os.pwrite` into a file whose path contains `name`
-    raises EIO — a failing disk, with the space allocated but the write refused — after calling `before()` if
-    given. Returns `heal()`, which puts the real `os.pwrite` back. Reads the path from /proc/self/fd (Linux)."""
+    """`failing_writes(name, before=None)`: from then on a positional write (`fileos.Handle.pwrite`, the one
+    write of every system) into a file whose path contains `name` raises EIO — a failing disk, with the space
+    allocated but the write refused — after calling `before()` if given. Returns `heal()`, which puts the real
+    write back."""
     import errno
-    import os
 
-    real = os.pwrite
+    from offload_core.tiers.fileos import Handle
+
+    real = Handle.pwrite
 
     def arm(name: str, before=None):
-        def pwrite(fd, data, offset):
-            if name in os.readlink(f"/proc/self/fd/{fd}"):
+        def pwrite(handle, data, offset):
+            if name in handle.path:
                 if before is not None:
                     before()
                 raise OSError(errno.EIO, "Input/output error")
-            return real(fd, data, offset)
+            return real(handle, data, offset)
 
-        monkeypatch.setattr(os, "pwrite", pwrite)
-        return lambda: monkeypatch.setattr(os, "pwrite", real)
+        monkeypatch.setattr(Handle, "pwrite", pwrite)
+        return lambda: monkeypatch.setattr(Handle, "pwrite", real)
 
     return arm
 
