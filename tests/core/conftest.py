@@ -10,8 +10,7 @@ import simplatform
 from simcuda import SimCuda
 
 ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement"}
-ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk",
-                   "test_file_contract", "test_fileos"}
+ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk"}
 
 
 def pytest_generate_tests(metafunc):
