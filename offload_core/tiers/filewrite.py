@@ -181,7 +181,9 @@ class Writer:
                 lease = _Lease(self.staging, held[0])
                 buffer = lease.item[0]
                 with streams.timed("transfer"):
-                    copy_range(buffer.tensor, entry.layout, k, v, off, off + n, non_blocking=buffer.pinned)
+                    streams.copy_with(functools.partial(copy_range, buffer.tensor, entry.layout, k, v, off, off + n,
+                                                        non_blocking=buffer.pinned), buffer.tensor, k, v,
+                                      non_blocking=buffer.pinned)
                 lease.item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
                 self._chunks.submit(functools.partial(write_chunk, lease, base + off, n), f"the write of {entry.path}",
                                     into=job.chunks, done=lease.give_back)
