@@ -34,13 +34,13 @@ def output_file(parser: argparse.ArgumentParser, option: str, path: Optional[str
 
 
 def device(parser: argparse.ArgumentParser, name: Optional[str]) -> torch.device:
-    """The `--device` value as a device this torch build can use (default: cuda if available, else cpu)."""
+    """The `--device` value as a device this torch build can use (default: cuda, else xpu, if available; else cpu)."""
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(next((t for t in ("cuda", "xpu") if _backend_available(t)), "cpu"))
     try:
         dev = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
-        parser.error(f"--device {name!r} is not a device name; use cpu, cuda, cuda:N or mps.")
+        parser.error(f"--device {name!r} is not a device name; use cpu, cuda, cuda:N, xpu, xpu:N or mps.")
     build = f"this torch ({torch.__version__})"
     if dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -48,12 +48,23 @@ def device(parser: argparse.ArgumentParser, name: Optional[str]) -> torch.device
                          "of torch (see README, TORCH_INDEX).")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             parser.error(f"--device {name!r}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0.")
+    elif dev.type == "xpu":
+        if not _backend_available("xpu"):
+            parser.error(f"--device {name!r}: {build} has no XPU device. Use --device cpu, or install the XPU build "
+                         "of torch (PyTorch's xpu index).")
+        if dev.index is not None and dev.index >= torch.xpu.device_count():
+            parser.error(f"--device {name!r}: there are {torch.xpu.device_count()} XPU device(s), numbered from 0.")
     elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             parser.error(f"--device {name!r}: {build} has no MPS device here (Apple silicon only). Use --device cpu.")
     elif dev.type != "cpu":
-        parser.error(f"--device {name!r}: the tools run on cpu, cuda or mps; got device type {dev.type!r}.")
+        parser.error(f"--device {name!r}: the tools run on cpu, cuda, xpu or mps; got device type {dev.type!r}.")
     return dev
+
+
+def _backend_available(kind: str) -> bool:
+    backend = getattr(torch, kind, None)
+    return bool(backend is not None and backend.is_available())
 
 
 def missing(*modules: str) -> list:
