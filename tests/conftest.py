@@ -70,21 +70,25 @@ def failing_writes(monkeypatch):
     allocated but the write refused — after calling `before()` if given. Returns `heal()`, which puts the real
     write back."""
     import errno
+    import sys
 
-    from offload_core.tiers.fileos import Handle
-
-    real = Handle.pwrite
+    import offload_core.tiers.fileos  # noqa: F401  (loaded, so it is found below)
 
     def arm(name: str, before=None):
+        # Every copy of the engine loaded by now: the ComfyUI pack's tests load it a second time, in the pack.
+        handles = [m.Handle for n, m in list(sys.modules.items()) if n.endswith("offload_core.tiers.fileos")]
+        real = {handle: handle.pwrite for handle in handles}
+
         def pwrite(handle, data, offset):
             if name in handle.path:
                 if before is not None:
                     before()
                 raise OSError(errno.EIO, "Input/output error")
-            return real(handle, data, offset)
+            return real[type(handle)](handle, data, offset)
 
-        monkeypatch.setattr(Handle, "pwrite", pwrite)
-        return lambda: monkeypatch.setattr(Handle, "pwrite", real)
+        for handle in handles:
+            monkeypatch.setattr(handle, "pwrite", pwrite)
+        return lambda: [monkeypatch.setattr(handle, "pwrite", real[handle]) for handle in handles]
 
     return arm
 
