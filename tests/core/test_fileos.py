@@ -141,3 +141,17 @@ def test_a_write_error_on_windows_names_the_file_and_keeps_nothing(tmp_path, mon
         store.flush()
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name, call", [("linux", "fdatasync"), ("macos", "fsync"), ("windows", "fsync")])
+def test_a_flush_uses_fdatasync_where_it_exists_else_fsync(name, call, tmp_path, monkeypatch):
+    import os
+
+    fs = simplatform.install(monkeypatch, name)
+    calls = []
+    for what in ("fdatasync", "fsync"):
+        monkeypatch.setattr(os, what, lambda fd, what=what: calls.append(what))
+    f = fs.open(str(tmp_path / "f"), os.O_WRONLY | os.O_CREAT)
+    fs.sync(f.fd)
+    f.close()
+    assert calls == [call]
