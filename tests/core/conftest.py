@@ -10,7 +10,8 @@ import simplatform
 from simcuda import SimCuda
 
 ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement"}
-ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk"}
+ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk",
+                   "test_contract"}  # the contract: its file-mode cases only (the others touch no file)
 
 
 def pytest_generate_tests(metafunc):
@@ -18,6 +19,19 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("ordering", ["cpu", "simcuda"], indirect=True)
     if "system" in metafunc.fixturenames and metafunc.module.__name__ in ON_EVERY_SYSTEM:
         metafunc.parametrize("system", simplatform.SYSTEMS, indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Drops the macOS / Windows copies of contract cases that use no file tier: nothing of theirs differs."""
+    def other_system_without_files(item):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return (item.module.__name__ == "test_contract" and params.get("system", "linux") != "linux"
+                and not str(params.get("mode", "")).startswith("file"))
+
+    dropped = [item for item in items if other_system_without_files(item)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not other_system_without_files(item)]
 
 
 @pytest.fixture(autouse=True)
