@@ -58,13 +58,15 @@ def test_macos_before_11_reads_without_preadv(mode, tmp_path, monkeypatch):
 def test_windows_reads_a_layer_on_several_descriptors_at_once(tmp_path, monkeypatch):
     simplatform.install(monkeypatch, "windows")
     monkeypatch.setattr(fileio, "CHUNK", 64 << 10)  # eight chunks a layer: every I/O thread gets some
-    threads, entered, go = set(), threading.Barrier(2, timeout=10), threading.Event()
+    threads, entered, lock = set(), threading.Barrier(2, timeout=10), threading.Lock()
     real = fileos.Handle.preadv
 
     def preadv(handle, views, offset):  # two requests of one file in flight at the same moment
-        fd = handle._fd()
-        threads.add((threading.get_ident(), fd))
-        if len(threads) <= 2:
+        key = (threading.get_ident(), handle._fd())
+        with lock:
+            first = key not in threads and len(threads) < 2
+            threads.add(key)
+        if first:  # the first two threads to read wait for each other: both requests are in flight at once
             entered.wait()
         return real(handle, views, offset)
 
