@@ -14,9 +14,9 @@ import re
 import tempfile
 from typing import Optional
 
-DEVICE_NAME = re.compile(r"(cpu|cuda|mps)(:\d+)?")
+DEVICE_NAME = re.compile(r"(cpu|cuda|xpu|mps)(:\d+)?")
 # Device types torch knows that the tools do not run on (torch's list; told apart from a misspelling).
-OTHER_TORCH_DEVICES = ("meta", "xpu", "hpu", "xla", "mtia", "maia", "ipu", "hip", "lazy", "vulkan", "ve", "fpga",
+OTHER_TORCH_DEVICES = ("meta", "hpu", "xla", "mtia", "maia", "ipu", "hip", "lazy", "vulkan", "ve", "fpga",
                        "mkldnn", "opengl", "opencl", "ideep", "privateuseone")
 
 
@@ -68,16 +68,16 @@ def output_folder(parser: argparse.ArgumentParser, option: str, folder: str) -> 
 
 
 def device(parser: argparse.ArgumentParser, name: Optional[str]):
-    """The `--device` value as a torch.device this build can use (default: cuda if available, else cpu)."""
+    """The `--device` value as a torch.device this build can use (default: cuda, else xpu, if available; else cpu)."""
     if name is not None and not DEVICE_NAME.fullmatch(name):
         if name.split(":")[0] in OTHER_TORCH_DEVICES:
-            parser.error(f"--device {name!r}: the tools run on cpu, cuda or mps; got device type "
+            parser.error(f"--device {name!r}: the tools run on cpu, cuda, xpu or mps; got device type "
                          f"{name.split(':')[0]!r}.")
-        parser.error(f"--device {name!r} is not a device name; use cpu, cuda, cuda:N or mps.")
+        parser.error(f"--device {name!r} is not a device name; use cpu, cuda, cuda:N, xpu, xpu:N or mps.")
     import torch
 
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(next((t for t in ("cuda", "xpu") if _backend_available(torch, t)), "cpu"))
     dev = torch.device(name)
     build = f"this torch ({torch.__version__})"
     if dev.type == "cuda":
@@ -86,9 +86,20 @@ def device(parser: argparse.ArgumentParser, name: Optional[str]):
                          "of torch (see README, TORCH_INDEX).")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             parser.error(f"--device {name!r}: there are {torch.cuda.device_count()} CUDA device(s), numbered from 0.")
+    elif dev.type == "xpu":
+        if not _backend_available(torch, "xpu"):
+            parser.error(f"--device {name!r}: {build} has no XPU device. Use --device cpu, or install the XPU build "
+                         "of torch (PyTorch's xpu index).")
+        if dev.index is not None and dev.index >= torch.xpu.device_count():
+            parser.error(f"--device {name!r}: there are {torch.xpu.device_count()} XPU device(s), numbered from 0.")
     elif dev.type == "mps" and not torch.backends.mps.is_available():
         parser.error(f"--device {name!r}: {build} has no MPS device here (Apple silicon only). Use --device cpu.")
     return dev
+
+
+def _backend_available(torch, kind: str) -> bool:
+    backend = getattr(torch, kind, None)
+    return bool(backend is not None and backend.is_available())
 
 
 def missing(*modules: str) -> list:

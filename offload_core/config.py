@@ -12,10 +12,13 @@ import dataclasses
 import enum
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from .tiers import fileos
 
 MAX_PREFETCH_DEPTH = 8  # more layers in flight only re-creates the device cache we are trying to avoid
 
@@ -213,6 +216,11 @@ def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bo
             f"mode {mode.value!r} keeps layers in files, which are checksummed with xxhash, and xxhash is not "
             "installed. Install it (`pip install xxhash`, or `pip install -r requirements.txt` in the ComfyUI pack), "
             "or pick a RAM or gpu mode.")
+    missing = fileos.current().problem
+    if (mode.is_file or spills) and missing:
+        raise ValueError(
+            f"mode {mode.value!r} keeps layers in files, which needs {missing} from the operating system; this "
+            f"Python ({sys.platform}) has none of it. Pick 'ram_sync' / 'ram_async' (or 'gpu'), and no `host_budget`.")
     if bypass is not None:
         if not isinstance(bypass, bool):
             raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")

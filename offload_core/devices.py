@@ -1,12 +1,15 @@
 """Devices, streams and fences: the only place that knows whether copies can run asynchronously.
 
-On CUDA, copies run on one side stream per store and completion is tracked with events. Everywhere else
-(CPU, MPS) the same calls run synchronously: `Fence` is already complete, the stream context is
+On a device with memory of its own and user streams (CUDA, ROCm — which torch reports as `cuda` — and Intel
+`xpu`), copies run on one side stream per store and completion is tracked with events, all through torch's
+device-generic API (`torch.Stream`, `torch.Event`, `torch.accelerator`). Everywhere else (CPU, MPS, which has
+no user streams) the same calls run synchronously: `Fence` is already complete, the stream context is
 `nullcontext()`, so the scheduling code in `store.py` is one code path that CPU tests exercise fully.
 
-Every copy, device allocation and fence of the stores and tiers goes through `Streams`, so that the CPU tests
-can swap it (through `open_streams`) for a model of CUDA ordering in which queued work really is deferred
-(`tests/core/simcuda.py`): there a missing fence shows up as wrong data or a reported violation.
+Every copy, device allocation and fence of the stores and tiers goes through `Streams`, and every stream and
+event it makes comes from its `api`, so that the CPU tests can swap it (through `open_streams`) for a model of
+CUDA ordering in which queued work really is deferred (`tests/core/simcuda.py`): there a missing fence shows
+up as wrong data or a reported violation.
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+STREAM_DEVICES = ("cuda", "xpu")  # separate memory and user streams: copies may run beside compute
+
 
 def unified_memory_reason(device: torch.device, get_properties: Optional[Callable] = None) -> Optional[str]:
     """Why host RAM and `device` memory are one physical pool, or None when they are separate.
 
-    `get_properties(index)` defaults to `torch.cuda.get_device_properties`; tests pass a stand-in for devices
-    this machine lacks.
+    Apple MPS always; a CUDA / ROCm / XPU device whose properties say `is_integrated` (NVIDIA GB10 and Jetson,
+    AMD APUs such as Ryzen AI Max, Intel integrated graphics). `get_properties(index)` defaults to the
+    device's `torch.<type>.get_device_properties`; tests pass a stand-in for devices this machine lacks.
     """
     if device.type == "mps":
         return "unified memory (Apple MPS): host RAM and device memory are the same pool"
-    if device.type != "cuda":
+    if device.type not in STREAM_DEVICES:
         return None
-    get_properties = get_properties or torch.cuda.get_device_properties
+    get_properties = get_properties or getattr(torch, device.type).get_device_properties
     index = device.index if device.index is not None else 0
     props = get_properties(index)
     if getattr(props, "is_integrated", False):
@@ -38,12 +44,35 @@ def unified_memory_reason(device: torch.device, get_properties: Optional[Callabl
     return None
 
 
+class GenericAPI:
+    """Streams and events of any torch accelerator, through torch's device-generic API."""
+
+    @staticmethod
+    def stream(device: torch.device):
+        return torch.Stream(device=device)
+
+    @staticmethod
+    def current(device: torch.device):
+        return torch.accelerator.current_stream(device)
+
+    @staticmethod
+    def event(device: torch.device, timing: bool = False):
+        return torch.Event(device=device, enable_timing=timing)
+
+    @staticmethod
+    def use(stream):
+        return stream  # a torch.Stream is the context that makes it current
+
+
+GENERIC = GenericAPI()
+
+
 class Fence:
     """Completion of work queued on a stream; `None` event means the work already finished on the host."""
 
     __slots__ = ("event",)
 
-    def __init__(self, event: Optional["torch.cuda.Event"] = None):
+    def __init__(self, event: Optional["torch.Event"] = None):
         self.event = event
 
     def make_wait(self, stream) -> None:
@@ -65,13 +94,15 @@ DONE = Fence()
 class Streams:
     """The side stream of one store and the timing of work on it and on the consumer's stream.
 
-    Timings are CUDA events resolved lazily (never a sync on the hot path) or, without CUDA, wall time.
+    `api` makes the streams and events (default: torch's generic one on a stream device, none elsewhere).
+    Timings are events resolved lazily (never a sync on the hot path) or, without streams, wall time.
     """
 
-    def __init__(self, device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None):
+    def __init__(self, device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None, api=None):
         self.device = device
-        self.cuda = device.type == "cuda"
-        self.asynchronous = asynchronous and self.cuda
+        self.api = api if api is not None else GENERIC if device.type in STREAM_DEVICES else None
+        self.streamed = self.api is not None
+        self.asynchronous = asynchronous and self.streamed
         self._stream_fn = stream_fn
         self._side = None
         self._pending: List[Tuple[object, object, str]] = []
@@ -80,9 +111,9 @@ class Streams:
 
     @property
     def immediate(self) -> bool:
-        """True when every operation has run by the time it returns (no CUDA): host code may then touch device
+        """True when every operation has run by the time it returns (no streams): host code may then touch device
         buffers directly, e.g. the file tier's I/O threads filling a CPU slot, with no stream work to order."""
-        return not self.cuda
+        return not self.streamed
 
     @property
     def side(self):
@@ -91,20 +122,25 @@ class Streams:
             return None
         if self._side is None:
             stream = self._stream_fn(self.device) if self._stream_fn else None
-            self._side = stream if stream is not None else torch.cuda.Stream(device=self.device)
+            self._side = stream if stream is not None else self.api.stream(self.device)
         return self._side
 
     def consumer(self):
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        return self.api.current(self.device) if self.streamed else None
 
     def on_side(self):
         side = self.side
-        return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+        return self.api.use(side) if side is not None else contextlib.nullcontext()
 
     # -- the operations the tiers queue (on the current stream: the consumer's, or the side one in on_side) --
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         """`dst.copy_(src)` queued on the current stream."""
         dst.copy_(src, non_blocking=non_blocking)
+
+    def copy_with(self, fn: Callable[[], None], dst: torch.Tensor, *srcs: torch.Tensor, non_blocking: bool) -> None:
+        """`fn()`, which copies `srcs` into `dst` through torch calls, queued on the current stream (one seam for
+        a copy made of several torch calls, e.g. a chunk of a layer's K and V)."""
+        fn()
 
     def empty(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 buffer on the device, from the caching allocator on the current stream."""
@@ -117,17 +153,17 @@ class Streams:
 
     def record(self, stream=None) -> Fence:
         """A fence after everything queued so far on `stream` (default: the current stream)."""
-        if not self.cuda:
+        if not self.streamed:
             return DONE
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-        event = torch.cuda.Event()
+        stream = stream if stream is not None else self.api.current(self.device)
+        event = self.api.event(self.device)
         event.record(stream)
         return Fence(event)
 
     @contextlib.contextmanager
     def timed(self, bucket: str, stream=None):
-        """Adds the duration of the enclosed work to `seconds[bucket]`: GPU time on `stream` under CUDA."""
-        if not self.cuda:
+        """Adds the duration of the enclosed work to `seconds[bucket]`: device time on `stream` with streams."""
+        if not self.streamed:
             start = time.perf_counter()
             try:
                 yield
@@ -135,8 +171,8 @@ class Streams:
                 with self._lock:
                     self.seconds[bucket] += time.perf_counter() - start
             return
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = stream if stream is not None else self.api.current(self.device)
+        begin, end = self.api.event(self.device, timing=True), self.api.event(self.device, timing=True)
         begin.record(stream)
         try:
             yield
@@ -170,7 +206,7 @@ class Streams:
         close() does before freeing anything either of them may still read or write."""
         self.synchronize()
         if self.asynchronous:
-            torch.cuda.current_stream(self.device).synchronize()
+            self.api.current(self.device).synchronize()
 
 
 def open_streams(device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None) -> Streams:

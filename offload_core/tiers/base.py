@@ -44,11 +44,12 @@ class Pending:
         self._fence.make_wait(stream)
 
     def cancel(self) -> None:
-        """Drops the load if it has not started yet, else waits for it (used by close)."""
+        """Drops the load if it has not started yet (used by close). One that runs is not waited for here: the
+        tiers' close waits for it (`close_tiers` drains the streams; a file tier stops its I/O threads, then
+        waits for the fence of every copy out of its staging before freeing anything), also for a store that
+        is garbage-collected without `close`, where nothing cancels."""
         if self._future is not None and self._future.cancel():
             self._future = None
-            return
-        self.settle()
 
     def settle(self) -> None:
         """Waits for the load to finish completely, swallowing its error (used when cancelling).

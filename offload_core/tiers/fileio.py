@@ -1,10 +1,11 @@
 """Layer files on disk: checked opens, chunked parallel reads and writes, checksums, page-cache bypass.
 
-`O_DIRECT` needs the buffer, the offset and the length aligned to the block size; our buffers are anonymous
-mmaps (page-aligned), layer files are multiples of 4 KiB and chunks are multiples of 1 MiB, so one probe per
-directory decides whether it works there (overlayfs and NFS may refuse it; macOS has no `O_DIRECT`). Where it
-does not, reads and writes are buffered and followed by `posix_fadvise(DONTNEED)` — after `fdatasync` for
-writes, since the kernel does not drop dirty pages.
+What each system offers is `fileos.CURRENT`'s to say. On Linux, `O_DIRECT` needs the buffer, the offset and
+the length aligned to the block size; our buffers are anonymous mmaps (page-aligned), layer files are multiples
+of 4 KiB and chunks are multiples of 1 MiB, so one probe per directory decides whether it works there (overlayfs
+and NFS may refuse it). Where it does not, reads and writes are buffered and followed by
+`posix_fadvise(DONTNEED)` — after `fdatasync` for writes, since the kernel does not drop dirty pages. macOS sets
+`F_NOCACHE` on every descriptor; Windows reads and writes buffered (`page_cache`: 'buffered').
 
 Every chunk of a layer's data has an xxh3-64 digest, computed by the I/O thread that writes or reads it (off
 the consumer's path) and kept both in the file's header and in the store's memory; a read whose data, header
@@ -19,19 +20,18 @@ import errno
 import functools
 import logging
 import os
+import shutil
 import stat
-import sys
 import uuid
 from typing import List, Optional, Tuple
 
 from ..hostmem import HostBuffer
+from . import fileos
+from .fileos import Handle
 
 log = logging.getLogger(__name__)
 
-O_DIRECT = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO put in place of a layer must not block the open
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # this process's own value, for the benchmark's raw I/O
 CHUNK = 8 << 20  # bytes per request; several in flight (see file.IO_DEPTH) keep the disk's queue full
 CHECKSUM = "xxh3_64"
 
@@ -70,7 +70,7 @@ def chunks(start: int, end: int, size: Optional[int] = None) -> List[Tuple[int, 
 @functools.lru_cache(maxsize=1)
 def _libc() -> Optional[ctypes.CDLL]:
     """The C library, looked up once: `find_library` may run `ldconfig`, milliseconds every store would pay."""
-    name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
+    name = ctypes.util.find_library("c")
     try:
         return ctypes.CDLL(name, use_errno=True) if name else None
     except OSError:
@@ -78,8 +78,9 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 def ram_backed(directory: str) -> Optional[str]:
-    """The name of the RAM-backed filesystem `directory` is on (tmpfs, ramfs...), else None."""
-    libc = _libc()
+    """The name of the RAM-backed filesystem `directory` is on (tmpfs, ramfs...), else None (Linux only: RAM
+    disks of other systems look like ordinary volumes)."""
+    libc = _libc() if fileos.current().name == "linux" else None
     if libc is None:
         return None
     try:
@@ -93,24 +94,27 @@ def ram_backed(directory: str) -> Optional[str]:
 
 
 def probe_page_cache_mode(directory: str, bypass: bool) -> str:
-    """'o_direct' if O_DIRECT reads and writes work in `directory`, else 'fadvise'; 'off' without bypass."""
+    """How the page cache is kept out in `directory`: 'o_direct' where O_DIRECT reads and writes work there,
+    'fadvise' (Linux otherwise), 'f_nocache' (macOS), 'buffered' (Windows: not kept out); 'off' without bypass."""
     if not bypass:
         return "off"
-    if not O_DIRECT:
-        return "fadvise"
+    fs = fileos.current()
+    modes = fs.cache_modes()
+    if modes[0] != "o_direct":
+        return modes[0]
     path = os.path.join(directory, f".probe-{uuid.uuid4().hex}")
     buf = HostBuffer(4096)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o600)
+        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode="o_direct")
         try:
-            os.pwrite(fd, buf.memory()[:4096], 0)
+            f.pwrite(buf.memory()[:4096], 0)
         finally:
-            os.close(fd)
-        fd = os.open(path, os.O_RDONLY | O_DIRECT)
+            f.close()
+        f = fs.open(path, os.O_RDONLY, cache_mode="o_direct")
         try:
-            os.preadv(fd, [buf.memory()[:4096]], 0)
+            f.preadv([buf.memory()[:4096]], 0)
         finally:
-            os.close(fd)
+            f.close()
         return "o_direct"
     except OSError as exc:
         log.info("O_DIRECT refused in %s (%s); using posix_fadvise to keep the page cache out", directory, exc)
@@ -118,14 +122,13 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
     finally:
         buf.release()
         try:
-            os.unlink(path)
+            fs.unlink(path)
         except FileNotFoundError:
             pass
 
 
-def drop_pages(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+def drop_pages(f: Handle) -> None:
+    fileos.current().drop_pages(f.fd)
 
 
 def _cause(exc: OSError) -> str:
@@ -133,42 +136,36 @@ def _cause(exc: OSError) -> str:
 
 
 # -- writing -----------------------------------------------------------------------------------------------
-def reserve(path: str, length: int, cache_mode: str) -> int:
-    """Creates `path` (a temp name) with `length` bytes allocated; returns its fd, opened for writing.
+def reserve(path: str, length: int, cache_mode: str) -> Handle:
+    """Creates `path` (a temp name) with `length` bytes allocated; returns it, opened for writing.
 
     Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
-    instead of in a background write later.
+    instead of in a background write later. (`O_DIRECT` is set after the allocation: its writes bypass the
+    page cache, the allocation is metadata.)
     """
+    fs = fileos.current()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o600)
+        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode="off" if cache_mode == "o_direct" else cache_mode)
     except OSError as exc:
         raise write_error(path, length, exc) from None
     try:
-        if hasattr(os, "posix_fallocate"):
-            try:
-                os.posix_fallocate(fd, 0, length)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
+        fs.reserve(f.fd, length)
         if cache_mode == "o_direct":
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+            fs.fcntl.fcntl(f.fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(f.fd, fs.fcntl.F_GETFL) | fs.o_direct)
     except BaseException as exc:  # an interrupt too: no descriptor or temp file may outlive a failed reserve
-        os.close(fd)
+        f.close()
         discard(path)
         if isinstance(exc, OSError):
             raise write_error(path, length, exc) from None
         raise
-    return fd
+    return f
 
 
 def write_error(path: str, length: int, exc: OSError) -> KVWriteError:
     directory = os.path.dirname(path)
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         try:
-            st = os.statvfs(directory)
-            free = f"{st.f_bavail * st.f_frsize / 2**20:.1f} MiB free"
+            free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
         except OSError:
             free = "free space unknown"
         return KVWriteError(f"KV offload: the disk holding {directory!r} is full ({_cause(exc)}): a layer file needs "
@@ -182,11 +179,11 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
-def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
+def pwrite_all(f: Handle, view: memoryview, offset: int, path: str) -> None:
     done = 0
     while done < len(view):
         try:
-            n = os.pwrite(fd, view[done:], offset + done)
+            n = f.pwrite(view[done:], offset + done)
         except OSError as exc:
             raise write_error(path, len(view), exc) from None
         if n <= 0:
@@ -194,27 +191,27 @@ def pwrite_all(fd: int, view: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def finish_write(fd: int, tmp: str, path: str, cache_mode: str, length: int) -> None:
-    """Flushes as `cache_mode` needs, closes `fd` and renames `tmp` to `path` (atomic for readers)."""
+def finish_write(f: Handle, tmp: str, path: str, cache_mode: str, length: int) -> None:
+    """Flushes as `cache_mode` needs, closes `f` and renames `tmp` to `path` (atomic for readers)."""
+    fs = fileos.current()
     try:
         if cache_mode == "fadvise":
-            os.fdatasync(fd)  # dirty pages cannot be dropped; flush them first
-            drop_pages(fd)
-        # No fsync for O_DIRECT: the data is on the device, and a cache that a crash interrupts is garbage anyway
-        # (the next store reclaims it); the rename is what makes the file whole for this process's readers.
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
+            fs.sync(f.fd)  # dirty pages cannot be dropped; flush them first
+            drop_pages(f)
+        # No fsync otherwise: with O_DIRECT / F_NOCACHE the data went past the cache, and a cache that a crash
+        # interrupts is garbage anyway (the next store reclaims it); the rename makes the file whole for readers.
+        f.close()  # before the rename, which Windows refuses for an open file
+        fs.replace(tmp, path)
     except OSError as exc:
-        if fd >= 0:
-            os.close(fd)
+        if f.fd >= 0:
+            f.close()
         discard(tmp)
         raise write_error(path, length, exc) from None
 
 
 def discard(path: str) -> None:
     try:
-        os.unlink(path)
+        fileos.current().unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
@@ -222,11 +219,11 @@ def discard(path: str) -> None:
 
 
 # -- reading -----------------------------------------------------------------------------------------------
-def open_checked(path: str, length: int, cache_mode: str) -> int:
-    """An fd of the regular file `path` of exactly `length` bytes, or a `KVFileError` saying what it is instead."""
-    flags = os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK | (O_DIRECT if cache_mode == "o_direct" else 0)
+def open_checked(path: str, length: int, cache_mode: str) -> Handle:
+    """The regular file `path` of exactly `length` bytes, open, or a `KVFileError` saying what it is instead."""
+    fs = fileos.current()
     try:
-        fd = os.open(path, flags)
+        f = fs.open(path, os.O_RDONLY | fs.no_follow, cache_mode=cache_mode)
     except FileNotFoundError:
         raise KVFileError(f"KV layer file {path!r} is missing: it was deleted while the cache was in use. "
                           "Keep the cache directory untouched until the run ends.") from None
@@ -239,7 +236,7 @@ def open_checked(path: str, length: int, cache_mode: str) -> int:
         raise KVFileError(f"KV layer file {path!r} {what} ({_cause(exc)}); it was replaced or changed while the "
                           "cache was in use.") from None
     try:
-        st = os.fstat(fd)
+        st = fs.os.fstat(f.fd)
         if not stat.S_ISREG(st.st_mode):
             raise KVFileError(f"KV layer file {path!r} is {_kind(st.st_mode)}, not the file this store wrote: it "
                               "was replaced while the cache was in use.")
@@ -247,9 +244,9 @@ def open_checked(path: str, length: int, cache_mode: str) -> int:
             raise KVFileError(f"KV layer file {path!r} has {st.st_size} bytes, expected {length}: it was truncated "
                               "or overwritten while the cache was in use.")
     except BaseException:
-        os.close(fd)
+        f.close()
         raise
-    return fd
+    return f
 
 
 def _kind(mode: int) -> str:
@@ -260,7 +257,7 @@ def _kind(mode: int) -> str:
     return "a device"
 
 
-def pread_exact(fd: int, view: memoryview, offset: int, path: str, head: Optional[memoryview] = None) -> None:
+def pread_exact(f: Handle, view: memoryview, offset: int, path: str, head: Optional[memoryview] = None) -> None:
     """Fills `view` from `offset`, or `head` then `view` in one request (a header and the first chunk)."""
     views = [view] if head is None else [head, view]
     total, done = sum(len(v) for v in views), 0
@@ -271,7 +268,7 @@ def pread_exact(fd: int, view: memoryview, offset: int, path: str, head: Optiona
                 rest.append(v[skip:])
             skip = max(0, skip - len(v))
         try:
-            n = os.preadv(fd, rest, offset + done)
+            n = f.preadv(rest, offset + done)
         except OSError as exc:
             raise KVFileError(f"KV layer file {path!r} could not be read at byte {offset + done} "
                               f"({_cause(exc)}).") from None

@@ -1,9 +1,13 @@
 """Private cache directories that prove their owner alive, and reclaiming those whose owner is gone.
 
-Each directory holds a lock file on which its creator keeps an exclusive `flock` for the directory's whole
-life. The kernel drops that lock when the process dies, however it dies (SIGKILL included), so "the lock can
-be taken" means exactly "nobody owns this any more". A new directory is born locked: it is made under a
-hidden staging name, locked, then renamed into place, so no scan ever sees a live directory unlocked. Before
+Each directory holds a lock file on which its creator keeps an exclusive lock (`flock`; `msvcrt.locking` on
+Windows: `fileos`) for the directory's whole life. The system drops that lock when the process dies, however it
+dies (SIGKILL included), so "the lock can be taken" means exactly "nobody owns this any more". A new directory
+is born locked: it is made under a hidden staging name, locked, then renamed into place, so no scan ever sees a
+live directory unlocked. Windows refuses to rename a folder that holds an open file: there the directory is
+made under its own name and locked at once (a reclaimer racing that moment cannot delete the open lock file,
+and the maker waits, bounded, for the lock it lets go). Files and folders are deleted after our own
+descriptors on them are closed, which Windows requires; the lock file goes last, once unlocked. Before
 making its own, every owner reclaims the dead ones of the same prefix in the same parent — an engine store,
 a diffusers session or the ComfyUI pack, in this or another process — and never touches a live one, nor
 anything else in the parent.
@@ -13,16 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import sys
+import stat
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
-try:
-    import fcntl
-except ImportError:  # Windows: no flock; directories are still private, dead ones are not reclaimed
-    fcntl = None
+from . import fileos
 
 log = logging.getLogger(__name__)
 
@@ -34,60 +34,59 @@ def _staging_prefix(prefix: str) -> str:
     return f".{prefix}new-"
 
 
-def remove_tree(path: str) -> List[Tuple[str, str]]:
-    """Deletes `path` as far as possible; returns (path, reason) for everything that could not be deleted."""
+def remove_tree(path: str, keep: Optional[str] = None) -> List[Tuple[str, str]]:
+    """Deletes `path` (a folder, with everything in it, or a file) as far as possible, leaving the entry `keep`
+    of the top folder (and so the folder); returns (path, reason) for everything that could not be deleted.
+    Symbolic links are deleted, never followed."""
+    fs = fileos.current()
     problems: List[Tuple[str, str]] = []
 
-    def note(_func, failed, exc_info):
-        exc = exc_info[1] if isinstance(exc_info, tuple) else exc_info
-        if not isinstance(exc, FileNotFoundError):
-            problems.append((failed, f"{type(exc).__name__}: {exc}"))
-
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=note)
-    else:
-        shutil.rmtree(path, onerror=note)
-    return problems
-
-
-def remove_owned(path: str) -> List[Tuple[str, str]]:
-    """Deletes the owned directory `path`, its lock file last: if anything stays, the lock file stays too, so a
-    later owner still recognises the remains as a cache directory (unlocked once we let go) and reclaims them."""
-    problems: List[Tuple[str, str]] = []
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return problems
-    for name in names:
-        if name == LOCK_NAME:
-            continue
-        child = os.path.join(path, name)
-        if os.path.isdir(child) and not os.path.islink(child):
-            problems += remove_tree(child)
-            continue
+    def attempt(fn, target: str) -> None:
         try:
-            os.unlink(child)
+            fn(target)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            problems.append((child, f"{type(exc).__name__}: {exc}"))
+            problems.append((target, f"{type(exc).__name__}: {exc}"))
+
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return problems
+    if not is_dir:
+        attempt(fs.unlink, path)
+        return problems
+    try:
+        names = os.listdir(path)
+    except OSError as exc:
+        return [(path, f"{type(exc).__name__}: {exc}")]
+    for name in names:
+        if name != keep:
+            problems += remove_tree(os.path.join(path, name))
+    if keep is None:
+        attempt(fs.rmdir, path)
+    return problems
+
+
+def remove_owned(path: str, unlock: Callable[[], None]) -> List[Tuple[str, str]]:
+    """Deletes the owned directory `path`, its lock file last, after `unlock()` (Windows deletes no open file):
+    if anything stays, the lock file stays too, so a later owner still recognises the remains as a cache
+    directory (unlocked once we let go) and reclaims them."""
+    problems = remove_tree(path, keep=LOCK_NAME)
+    unlock()
     if not problems:
         problems += remove_tree(path)
     return problems
 
 
 def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError:  # held by a live owner; or locks do not work here, so nobody can tell: leave it
-        return False
+    """False when held by a live owner; or when locks do not work here, so nobody can tell: leave it."""
+    return fileos.current().try_lock(fd)
 
 
 def reclaim(parent: str, prefix: str) -> List[str]:
     """Deletes the directories `prefix*` in `parent` whose owner is gone; returns the ones deleted."""
-    if fcntl is None:
-        return []
+    fs = fileos.current()
     try:
         names = os.listdir(parent)
     except OSError:
@@ -99,7 +98,7 @@ def reclaim(parent: str, prefix: str) -> List[str]:
             continue
         path = os.path.join(parent, name)
         try:
-            fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = fs.os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | fs.open_flags | fs.no_follow)
         except FileNotFoundError:
             # No lock file: a directory of another program (or an older version) — not ours to judge; or a
             # staging directory whose maker died before locking it, once it is clearly not being made now.
@@ -109,14 +108,20 @@ def reclaim(parent: str, prefix: str) -> List[str]:
             continue
         except OSError:
             continue  # not a directory, unreadable: leave it
+        held = [fd]
+
+        def unlock() -> None:
+            if held:
+                fs.unlock_and_close(held.pop())
+
         try:
             if not _try_lock(fd):
                 continue  # its owner is alive
             # We hold the dead owner's lock while deleting, so a second reclaimer skips this directory.
-            _delete_logged(path, "a cache directory whose owner is gone", remove_owned)
+            _delete_logged(path, "a cache directory whose owner is gone", lambda p: remove_owned(p, unlock))
             reclaimed.append(path)
         finally:
-            os.close(fd)
+            unlock()
     return reclaimed
 
 
@@ -141,29 +146,39 @@ class OwnedDir:
 
     def __init__(self, parent: Optional[str], prefix: str):
         parent = parent or tempfile.gettempdir()
+        fs = fileos.current()
         reclaim(parent, prefix)
-        staging = tempfile.mkdtemp(prefix=_staging_prefix(prefix), dir=parent)
+        staged = fs.renames_open
+        made = tempfile.mkdtemp(prefix=_staging_prefix(prefix) if staged else prefix, dir=parent)
         self._fd: Optional[int] = None
         try:
-            if fcntl is not None:
-                self._fd = os.open(os.path.join(staging, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-                try:
-                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError as exc:  # e.g. a network filesystem without locks: private, not reclaimable
-                    log.warning("KV offload: cannot lock %s (%s); if this process dies, its cache files there are "
-                                "not reclaimed automatically.", parent, exc)
-                os.write(self._fd, f"{os.getpid()}\n".encode())
-            self.path = os.path.join(parent, prefix + os.path.basename(staging)[len(_staging_prefix(prefix)):])
-            os.rename(staging, self.path)  # a live directory is never empty, so this cannot replace one
+            self._fd = fs.os.open(os.path.join(made, LOCK_NAME), os.O_RDWR | os.O_CREAT | fs.open_flags, 0o600)
+            if not self._lock(fs, bounded=not staged):  # e.g. a network filesystem without locks
+                log.warning("KV offload: cannot lock a cache directory in %s; if this process dies, its cache files "
+                            "there are not reclaimed automatically.", parent)
+            fs.os.write(self._fd, f"{os.getpid()}\n".encode())
+            self.path = made
+            if staged:
+                self.path = os.path.join(parent, prefix + os.path.basename(made)[len(_staging_prefix(prefix)):])
+                fs.os.rename(made, self.path)  # a live directory is never empty, so this cannot replace one
         except BaseException:
             self._unlock()
-            remove_tree(staging)
+            remove_tree(made)
             raise
+
+    def _lock(self, fs, bounded: bool) -> bool:
+        """Takes the lock; `bounded`: for a moment, while a reclaimer that raced the directory's birth lets go."""
+        deadline = time.monotonic() + (1.0 if bounded else 0.0)
+        while not fs.try_lock(self._fd):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def _unlock(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            os.close(fd)  # releases the flock: from now on any new owner may reclaim what is left
+            fileos.current().unlock_and_close(fd)  # from now on any new owner may reclaim what is left
 
     def delete(self) -> List[Tuple[str, str]]:
         """Deletes the directory, then drops the lock; logs and returns what could not be deleted.
@@ -175,7 +190,7 @@ class OwnedDir:
         problems: List[Tuple[str, str]] = []
         for _ in range(10):
             try:
-                problems = remove_owned(self.path)
+                problems = remove_owned(self.path, self._unlock)
                 break
             except KeyboardInterrupt as exc:
                 interrupt = exc

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
@@ -204,8 +203,8 @@ class Reader:
                 when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
         return fence
 
-    def _drop_read(self, fd: int, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
-        os.close(fd)
+    def _drop_read(self, fd, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
+        fd.close()
         self.staging.release(item, fence)
         if gate is not None:
             gate.set_result(None)

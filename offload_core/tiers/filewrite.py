@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
-import os
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from ..hostmem import HostBuffer
 from ..layout import LayerLayout, copy_range, safetensors_header
 from . import fileio
 from .base import TierContext
+from .fileos import Handle
 from .fileio import CHECKSUM, KVWriteError, chunks, digest, discard, finish_write, pwrite_all, reserve
 from .iopool import IOPool, IOStuckError, Then, wait_all, when_done
 from .staging import StagingPool
@@ -52,7 +52,7 @@ class _Write:
     started, the interrupt or cancellation that stopped it (never both: a descriptor closed twice may be
     another file's by then). Each chunk's staging buffer belongs to that chunk's request, which gives it back."""
     tmp: str
-    fd: int = -1
+    file: Optional[Handle] = None  # open from its reserve until its finish or cleanup closes it
     chunks: List[cf.Future] = field(default_factory=list)
     lane: List[cf.Future] = field(default_factory=list)  # the finish, queued on the write lane
     _claimed: bool = False
@@ -135,7 +135,7 @@ class Writer:
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self._count(+1)
-            job.fd = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
+            job.file = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
             self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
                               into=job.lane, done=functools.partial(self._cancelled_write, job))
@@ -162,7 +162,7 @@ class Writer:
             try:
                 lease.item[1].synchronize()  # the copy into the buffer has finished
                 view = lease.item[0].memory()[:n]
-                pwrite_all(job.fd, view, offset, job.tmp)
+                pwrite_all(job.file, view, offset, job.tmp)
             except BaseException:
                 lease.give_back()
                 raise
@@ -181,7 +181,9 @@ class Writer:
                 lease = _Lease(self.staging, held[0])
                 buffer = lease.item[0]
                 with streams.timed("transfer"):
-                    copy_range(buffer.tensor, entry.layout, k, v, off, off + n, non_blocking=buffer.pinned)
+                    streams.copy_with(functools.partial(copy_range, buffer.tensor, entry.layout, k, v, off, off + n,
+                                                        non_blocking=buffer.pinned), buffer.tensor, k, v,
+                                      non_blocking=buffer.pinned)
                 lease.item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
                 self._chunks.submit(functools.partial(write_chunk, lease, base + off, n), f"the write of {entry.path}",
                                     into=job.chunks, done=lease.give_back)
@@ -209,10 +211,10 @@ class Writer:
             head = HostBuffer(len(header))  # page-aligned, as O_DIRECT needs; a few KiB
             with head.memory() as mem:
                 mem[:len(header)] = header
-                pwrite_all(job.fd, mem[:len(header)], 0, job.tmp)
+                pwrite_all(job.file, mem[:len(header)], 0, job.tmp)
             entry.header, entry.digests = header, digests
-            fd_open, fd, job.fd = False, job.fd, -1
-            finish_write(fd, job.tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames or discards
+            fd_open, f, job.file = False, job.file, None
+            finish_write(f, job.tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames or discards
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
@@ -237,7 +239,7 @@ class Writer:
             when_done(job.chunks, functools.partial(self._release_write, job))
 
     def _release_write(self, job: "_Write") -> None:
-        if job.fd >= 0:
-            os.close(job.fd)
-            job.fd = -1
+        if job.file is not None:
+            f, job.file = job.file, None
+            f.close()  # before the delete, which Windows refuses for an open file
             discard(job.tmp)

@@ -65,8 +65,10 @@ def open_tier(place: str, ctx: TierContext, opts: PlaceOptions) -> Tier:
 
 
 def close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
-    # Order matters: background jobs and side-stream copies touch host buffers and files, so they finish
-    # before any tier frees or deletes anything.
+    # Order matters: side-stream copies touch host buffers, so they finish before any tier frees anything.
+    # After the drain only a file tier's read lane can still queue a copy (a load that was running); its
+    # close stops the lane, then waits for each staging buffer's copy fence before freeing it, so no sync of
+    # the side stream is needed after the tiers closed.
     try:
         streams.drain()
     finally:
@@ -76,6 +78,5 @@ def close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
                 tier.close()
             except BaseException as exc:
                 errors.append(exc)
-        streams.synchronize()
         if errors:
             raise errors[0]

@@ -21,7 +21,7 @@ BAD = {
     "json is a folder": (["bench", "--json", "{tmp}"], "names a directory"),
     "plot names a folder": (["bench", "--plot", "{tmp}/new/"], "names a directory"),
     "device banana": (["bench", "--device", "banana"], "--device 'banana' is not a device name"),
-    "device meta": (["bench", "--device", "meta"], "the tools run on cpu, cuda or mps"),
+    "device meta": (["bench", "--device", "meta"], "the tools run on cpu, cuda, xpu or mps"),
     "modes comma": (["bench", "--modes", ","], "--modes ',' names no rows"),
     "modes unknown": (["bench", "--modes", "vram"], "unknown row 'vram'"),
     "model missing": (["bench", "--model", "{tmp}/nonexistent"], "does not exist"),
@@ -45,6 +45,8 @@ if os.path.isdir("/proc/self"):  # a folder where nothing can be created, for ro
     BAD["stream dir /proc"] = (["stream", "--dir", "/proc"], "--dir '/proc': nothing can be created there")
 if not torch.backends.mps.is_available():
     BAD["device mps"] = (["bench", "--device", "mps"], "has no MPS device")
+if not torch.xpu.is_available():
+    BAD["device xpu"] = (["bench", "--device", "xpu"], "has no XPU device")
 if not torch.cuda.is_available():
     BAD["device cuda"] = (["bench", "--device", "cuda"], "has no CUDA device")
     BAD["demo device cuda"] = (["demo", "--device", "cuda:0"], "has no CUDA device")

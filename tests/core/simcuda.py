@@ -40,14 +40,48 @@ from offload_core.devices import Fence, Streams
 
 
 class SimEvent:
-    def __init__(self, sim: "SimCuda", stream: "SimStream", index: int):
+    """A point in a stream's queue; complete once the stream ran everything before it (unrecorded: complete)."""
+
+    def __init__(self, sim: "SimCuda", stream: Optional["SimStream"] = None, index: int = 0):
         self.sim, self.stream, self.index = sim, stream, index
 
+    def record(self, stream: Optional["SimStream"] = None) -> None:
+        with self.sim.lock:
+            self.stream = stream or self.sim.current()
+            self.index = len(self.stream.ops)
+
     def query(self) -> bool:
-        return self.stream.executed >= self.index
+        return self.stream is None or self.stream.executed >= self.index
 
     def synchronize(self) -> None:
-        self.sim.run(self.stream, self.index)
+        if self.stream is not None:
+            self.sim.run(self.stream, self.index)
+
+    def elapsed_time(self, end: "SimEvent") -> float:
+        return 0.0  # no device clock: the timings of a simulated run are zero
+
+
+class SimAPI:
+    """The device-generic stream API (`torch.Stream`, `torch.Event`, `torch.accelerator`) of one `SimCuda`:
+    what `Streams` makes its side stream, consumer stream and events with, whatever the device type."""
+
+    def __init__(self, sim: "SimCuda"):
+        self.sim = sim
+        self.made: List[str] = []  # (device type) of every stream and event made: the path a store took
+
+    def stream(self, device: torch.device) -> "SimStream":
+        self.made.append(f"stream:{device.type}")
+        return self.sim.new_stream("side")
+
+    def current(self, device: torch.device) -> "SimStream":
+        return self.sim.current()
+
+    def event(self, device: torch.device, timing: bool = False) -> SimEvent:
+        self.made.append(f"event:{device.type}")
+        return SimEvent(self.sim)
+
+    def use(self, stream: "SimStream"):
+        return self.sim.use(stream)
 
 
 class SimStream:
@@ -132,6 +166,7 @@ class SimCuda:
         self._host: List = []
         self.held_bytes = self.peak_held_bytes = 0
         self._depth = 0  # runs in progress (a wait runs another stream first)
+        self.api = SimAPI(self)
 
     # -- streams -----------------------------------------------------------------------------------------
     def current(self) -> SimStream:
@@ -177,6 +212,14 @@ class SimCuda:
             self.on_copy(stream, dst, src)
         if not non_blocking and handles[0].on_host != handles[1].on_host:
             self.run(stream, len(stream.ops))  # a pageable copy: torch waits for it
+
+    def copy_with(self, fn: Callable, dst: torch.Tensor, srcs, non_blocking: bool) -> None:
+        """A copy made of several torch calls (`fn()`), queued as one operation; blocking as `copy`."""
+        stream = self.current()
+        handles = [_Handle(self, dst), *[_Handle(self, t) for t in srcs]]
+        self.enqueue(stream, ("call", lambda *_: fn(), handles))
+        if not non_blocking and any(h.on_host != handles[0].on_host for h in handles[1:]):
+            self.run(stream, len(stream.ops))
 
     def run(self, stream: SimStream, upto: int) -> None:
         """Runs `stream` up to op `upto`, and first whatever its waits need."""
@@ -308,35 +351,18 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class SimStreams(Streams):
-    """`Streams` of one store on a `SimCuda`: same interface, every operation queued on simulated streams."""
+    """`Streams` of one store on a `SimCuda`: its streams and events come through the generic API (`SimAPI`),
+    as on any stream device; copies, device memory and `record_stream` are the simulated device's."""
 
     def __init__(self, sim: SimCuda, device: torch.device, asynchronous: bool):
-        super().__init__(device, asynchronous)
+        super().__init__(device, asynchronous, api=sim.api)  # a CPU tensor device, scheduled like CUDA / XPU
         self.sim = sim
-        self.asynchronous = asynchronous  # as on CUDA: the async tiers get a side stream
-
-    immediate = False  # queued work runs only when ordered, as on CUDA
-
-    @property
-    def side(self):
-        if not self.asynchronous:
-            return None
-        if self._side is None:
-            self._side = self.sim.new_stream("side")
-        return self._side
-
-    def consumer(self):
-        return self.sim.current()
-
-    def on_side(self):
-        side = self.side
-        return self.sim.use(side) if side is not None else contextlib.nullcontext()
-
-    def record(self, stream=None) -> Fence:
-        return Fence(self.sim.record(stream))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
         self.sim.copy(dst, src, non_blocking)
+
+    def copy_with(self, fn, dst: torch.Tensor, *srcs: torch.Tensor, non_blocking: bool) -> None:
+        self.sim.copy_with(fn, dst, srcs, non_blocking)
 
     def empty(self, nbytes: int) -> torch.Tensor:
         return self.sim.empty(nbytes)
@@ -345,7 +371,3 @@ class SimStreams(Streams):
         if stream is not None:
             self.sim.record_stream(tensor, stream)
 
-    def drain(self) -> None:
-        self.synchronize()
-        if self.asynchronous:
-            self.sim.consumer.synchronize()

@@ -73,7 +73,7 @@ def test_store_refuses_off_and_bad_devices_before_creating_anything(tmp_path):
     with pytest.raises(ValueError, match="mode 'off' means no KV cache"):
         KVStore(OffloadConfig(mode="off"), "cpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available here"):
+        with pytest.raises(ValueError, match="CUDA is not available in this torch"):
             KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cuda")
     with pytest.raises(ValueError, match="is not a torch device"):
         KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "gpu0")

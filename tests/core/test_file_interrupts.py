@@ -19,7 +19,7 @@ def test_ctrl_c_inside_close_still_deletes_everything_then_raises(mode, tmp_path
     store = file_store(mode, tmp_path, data, put=range(3))
     store.get(0)
     real_shutdown = iopool.IOPool.shutdown
-    real_rmtree = fileowner.shutil.rmtree
+    real_rmtree = fileowner.remove_tree
     hits = {"shutdown": 0, "rmtree": 0}
 
     def interrupted_shutdown(self, timeout):
@@ -36,7 +36,7 @@ def test_ctrl_c_inside_close_still_deletes_everything_then_raises(mode, tmp_path
         return real_rmtree(path, *args, **kwargs)
 
     monkeypatch.setattr(iopool.IOPool, "shutdown", interrupted_shutdown)
-    monkeypatch.setattr(fileowner.shutil, "rmtree", interrupted_rmtree)
+    monkeypatch.setattr(fileowner, "remove_tree", interrupted_rmtree)
     with pytest.raises(KeyboardInterrupt):
         store.close()
     assert hits["shutdown"] >= 2 and hits["rmtree"] >= 2

@@ -21,6 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 CHILD = textwrap.dedent("""
     import sys, torch
+    if sys.argv[3] != "linux":  # the test's system stand-in, in the child too
+        sys.path.insert(0, sys.argv[4])
+        import simplatform
+        simplatform.activate(sys.argv[3])
     from offload_core import KVStore, OffloadConfig
     store = KVStore(OffloadConfig(mode=sys.argv[1], file_dir=sys.argv[2]), "cpu")
     data = {i: (torch.full((64, 64), float(i)), torch.full((64, 64), -float(i))) for i in range(4)}
@@ -35,8 +39,10 @@ CHILD = textwrap.dedent("""
 
 
 class Child:
-    def __init__(self, mode, parent):
-        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(parent)], stdin=subprocess.PIPE,
+    def __init__(self, mode, parent, system):
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(parent), system.name, here],
+                                     stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
         self._directory = None
 
@@ -69,12 +75,12 @@ def small_store(parent, mode="file_sync"):
 
 
 @pytest.mark.slow
-def test_two_processes_share_a_parent_and_a_killed_ones_files_are_reclaimed(tmp_path):
+def test_two_processes_share_a_parent_and_a_killed_ones_files_are_reclaimed(tmp_path, system):
     mode = "file_async"  # ownership is the same for both file tiers; the children start side by side
     unrelated = tmp_path / "kv_offload-not-a-cache"  # no lock file: not ours to judge, whatever its name
     unrelated.mkdir()
     (tmp_path / "user-file.bin").write_bytes(b"x")
-    first, second = Child(mode, tmp_path), Child(mode, tmp_path)
+    first, second = Child(mode, tmp_path, system), Child(mode, tmp_path, system)
     try:
         ours = small_store(tmp_path, mode)  # a third owner, made while both others live
         assert os.path.isdir(first.directory) and os.path.isdir(second.directory)

@@ -170,10 +170,23 @@ def test_host_services_pin_pair_must_be_callables():
         HostServices(pin=True, unpin=lambda t: None)
 
 
-@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "xpu"])
+@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "ipu"])
 def test_devices_the_store_cannot_serve_are_refused(device):
-    with pytest.raises(ValueError, match="must be a cpu, cuda or mps device"):
+    with pytest.raises(ValueError, match="must be a cpu, cuda, xpu or mps device"):
         KVStore(OffloadConfig(mode="gpu"), device)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_a_stream_device_is_accepted_where_torch_has_it(kind, monkeypatch):
+    from offload_core.guards import check_device
+
+    backend = getattr(torch, kind)
+    if not backend.is_available():
+        with pytest.raises(ValueError, match=f"{kind.upper()} is not available in this torch"):
+            KVStore(OffloadConfig(mode="gpu"), kind)
+        monkeypatch.setattr(backend, "is_available", lambda: True)
+        monkeypatch.setattr(backend, "current_device", lambda: 0)
+    assert check_device(kind).type == kind and check_device(kind).index is not None
 
 
 def test_settle_drops_an_interrupt_that_belonged_to_the_background_job():

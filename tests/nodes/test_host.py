@@ -101,10 +101,12 @@ def test_a_run_leaves_no_directory_behind(monkeypatch, tmp_path):
 
 
 CHILD = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("fileowner", sys.argv[2])  # stdlib only: no torch to import
-fileowner = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fileowner)
+import importlib, os, sys, types
+tiers = types.ModuleType("tiers")  # the tiers folder as a bare package: fileowner and fileos are stdlib only
+tiers.__path__ = [os.path.dirname(sys.argv[2])]
+sys.modules["tiers"] = tiers
+fileowner = importlib.import_module("tiers.fileowner")
+assert "torch" not in sys.modules
 d = fileowner.OwnedDir(sys.argv[1], "run-")
 open(d.path + "/layer-00000.safetensors", "wb").close()
 print(d.path, flush=True)

@@ -1,0 +1,239 @@
+"""What the operating system gives the file tiers, decided once per process: the one module that looks.
+
+| need                   | Linux                         | macOS                       | Windows                             |
+|------------------------|-------------------------------|-----------------------------|-------------------------------------|
+| positional I/O         | `pwrite`, `preadv`            | `pwrite`, `preadv` (else `pread` + a copy) | a descriptor per I/O thread: `lseek` + `write` / `readinto` |
+| page-cache bypass      | `O_DIRECT` (probed), else `posix_fadvise` | `F_NOCACHE` on every descriptor | none: buffered, and `page_cache` says so |
+| flush                  | `fdatasync`                   | `fsync`                     | `fsync`                             |
+| reserve a file's space | `posix_fallocate`             | `F_PREALLOCATE`             | `ftruncate` (NTFS allocates what it extends) |
+| binary bytes           | always                        | always                      | `O_BINARY` on every open            |
+| delete / rename open   | allowed                       | allowed                     | refused: callers close first; a short bounded retry for a scanner |
+| owner lock             | `flock`                       | `flock`                     | `msvcrt.locking` on the lock file's first byte |
+
+Stdlib only (the ComfyUI pack loads `fileowner` without torch). `CURRENT` is the choice for this process; the
+tests swap it for one built from a stand-in of another system's `os` / `fcntl` / `msvcrt`
+(`tests/core/simplatform.py`), so every branch here runs on Linux. Functions are looked up on `self.os` at
+call time, so a test that patches `os.pwrite` reaches them.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import struct
+import sys
+import threading
+import time
+from typing import List, Optional
+
+try:
+    import fcntl as _fcntl
+except ImportError:
+    _fcntl = None
+try:
+    import msvcrt as _msvcrt
+except ImportError:
+    _msvcrt = None
+
+F_NOCACHE, F_PREALLOCATE = 48, 42  # macOS fcntl commands (sys/fcntl.h), which CPython's fcntl may not name
+_F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
+_SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
+BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
+
+
+class FileOS:
+    """The file-tier operations of one system. `name`: 'linux', 'macos', 'windows' or 'posix' (other Unix)."""
+
+    def __init__(self, os_module, platform: str, fcntl_module=None, msvcrt_module=None):
+        self.os, self.fcntl, self.msvcrt = os_module, fcntl_module, msvcrt_module
+        o = os_module
+        self.name = ("windows" if platform == "win32" else "macos" if platform == "darwin"
+                     else "linux" if platform.startswith("linux") else "posix")
+        self.o_direct = getattr(o, "O_DIRECT", 0) if self.name == "linux" else 0
+        self.open_flags = getattr(o, "O_BINARY", 0) | getattr(o, "O_CLOEXEC", 0) | getattr(o, "O_NOINHERIT", 0)
+        self.no_follow = getattr(o, "O_NOFOLLOW", 0) | getattr(o, "O_NONBLOCK", 0)  # a FIFO must not block the open
+        self.per_thread = not hasattr(o, "pwrite")  # Windows: no positional I/O in `os`
+        self.renames_open = self.name != "windows"  # Windows refuses a rename of a folder holding an open file
+        self.problem = self._problem()
+
+    def _problem(self) -> Optional[str]:
+        missing = [n for n in ("lseek", "write", "fsync") if not hasattr(self.os, n)]
+        if self.per_thread and self.name != "windows":
+            missing.append("pwrite")
+        if self.fcntl is None and self.msvcrt is None:
+            missing.append("fcntl.flock or msvcrt.locking")
+        return ", ".join(missing) or None
+
+    # -- page cache --------------------------------------------------------------------------------------
+    def cache_modes(self) -> List[str]:
+        """The bypass modes this system may offer, best first (the tier probes `o_direct` per directory)."""
+        if self.name == "linux":
+            return ["o_direct", "fadvise"] if self.o_direct else ["fadvise"]
+        if self.name == "macos" and self.fcntl is not None:
+            return ["f_nocache"]
+        return ["buffered"]  # Windows: FILE_FLAG_NO_BUFFERING needs the Win32 API; not used (README: Platforms)
+
+    def open(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> "Handle":
+        fd = self.os.open(path, flags | self.open_flags | (self.o_direct if cache_mode == "o_direct" else 0), mode)
+        try:
+            if cache_mode == "f_nocache":
+                self.fcntl.fcntl(fd, F_NOCACHE, 1)
+        except BaseException:
+            self.os.close(fd)
+            raise
+        return Handle(self, fd, path, flags)
+
+    def sync(self, fd: int) -> None:
+        """Data on disk, so its pages can be dropped: `fdatasync` where it exists, else `fsync`."""
+        (getattr(self.os, "fdatasync", None) or self.os.fsync)(fd)
+
+    def drop_pages(self, fd: int) -> None:
+        if hasattr(self.os, "posix_fadvise"):
+            self.os.posix_fadvise(fd, 0, 0, self.os.POSIX_FADV_DONTNEED)
+
+    def reserve(self, fd: int, length: int) -> None:
+        """Allocates `length` bytes for the new file `fd`, so a full disk fails now (OSError ENOSPC), not later."""
+        o = self.os
+        if hasattr(o, "posix_fallocate"):
+            try:
+                o.posix_fallocate(fd, 0, length)
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            return  # a filesystem without allocation (some network ones): the writes report a full disk
+        if self.name == "macos" and self.fcntl is not None and length:
+            store = struct.pack("Iiqqq", _F_ALLOCATEALL, _F_PEOFPOSMODE, 0, length, 0)
+            try:
+                self.fcntl.fcntl(fd, F_PREALLOCATE, store)
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTSUP, errno.EINVAL):
+                    raise
+        if self.name in ("macos", "windows"):
+            o.ftruncate(fd, length)  # Windows: NTFS allocates the extension (a full disk fails here)
+
+    # -- deleting and renaming ---------------------------------------------------------------------------
+    def replace(self, src: str, dst: str) -> None:
+        self._retrying(self.os.replace, src, dst)
+
+    def unlink(self, path: str) -> None:
+        self._retrying(self.os.unlink, path)
+
+    def rmdir(self, path: str) -> None:
+        self._retrying(self.os.rmdir, path)
+
+    def _retrying(self, fn, *args) -> None:
+        """`fn(*args)`; on Windows a sharing violation (a scanner reading a new file) is retried for a bounded
+        time, then raised. Our own descriptors are always closed first: a violation is someone else's."""
+        deadline, pause = time.monotonic() + BUSY_RETRY_S, 0.005
+        while True:
+            try:
+                return fn(*args)
+            except PermissionError as exc:
+                if (self.name != "windows" or getattr(exc, "winerror", None) not in _SHARING_VIOLATIONS
+                        or time.monotonic() > deadline):
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
+
+    # -- owner locks -------------------------------------------------------------------------------------
+    def try_lock(self, fd: int) -> bool:
+        """An exclusive lock on the lock file `fd` without waiting; False when another holder has it (or locks
+        do not work there). The system drops it when the holder dies, however it dies."""
+        try:
+            if self.fcntl is not None:
+                self.fcntl.flock(fd, self.fcntl.LOCK_EX | self.fcntl.LOCK_NB)
+            else:
+                self.os.lseek(fd, 0, 0)
+                self.msvcrt.locking(fd, self.msvcrt.LK_NBLCK, 1)  # the first byte, held by this handle
+            return True
+        except OSError:
+            return False
+
+    def unlock_and_close(self, fd: int) -> None:
+        try:
+            if self.fcntl is None and self.msvcrt is not None:  # Windows wants a locked region unlocked first
+                self.os.lseek(fd, 0, 0)
+                self.msvcrt.locking(fd, self.msvcrt.LK_UNLCK, 1)
+        except OSError:
+            pass
+        finally:
+            self.os.close(fd)
+
+
+class Handle:
+    """An open layer file that any number of I/O threads read or write at offsets of their own, at once.
+
+    Where `os` has no positional I/O (Windows), each thread gets a descriptor of its own on first use, opened
+    by path: no other process can have replaced the file meanwhile, since Windows refuses to rename or delete
+    a file that is open (this handle's first descriptor keeps it so). `close()` closes them all; callers call
+    it only once no request uses the handle any more.
+    """
+
+    def __init__(self, fs: FileOS, fd: int, path: str, flags: int):
+        self.fs, self.fd, self.path = fs, fd, path
+        self._flags = flags & ~(os.O_CREAT | os.O_EXCL | getattr(os, "O_TRUNC", 0))
+        self._own = {}  # thread id -> descriptor (per-thread systems only)
+        self._lock = threading.Lock()
+
+    def _fd(self) -> int:
+        if not self.fs.per_thread:
+            return self.fd
+        me = threading.get_ident()
+        fd = self._own.get(me)
+        if fd is None:
+            with self._lock:
+                fd = self._own[me] = self.fs.os.open(self.path, self._flags | self.fs.open_flags)
+        return fd
+
+    def pwrite(self, view: memoryview, offset: int) -> int:
+        o = self.fs.os
+        if not self.fs.per_thread:
+            return o.pwrite(self.fd, view, offset)
+        fd = self._fd()
+        o.lseek(fd, offset, os.SEEK_SET)
+        return o.write(fd, view)
+
+    def preadv(self, views: List[memoryview], offset: int) -> int:
+        """Fills `views` in order from `offset`; returns the bytes read (short at the end of the file)."""
+        o = self.fs.os
+        if not self.fs.per_thread and hasattr(o, "preadv"):
+            return o.preadv(self.fd, views, offset)
+        fd, done = self._fd(), 0
+        if self.fs.per_thread:
+            o.lseek(fd, offset, os.SEEK_SET)
+        for view in views:
+            if self.fs.per_thread:
+                n = _readinto(o, fd, view)
+            else:  # no preadv (macOS before 11): pread, then a copy
+                data = o.pread(fd, len(view), offset + done)
+                n = len(data)
+                view[:n] = data
+            done += n
+            if n < len(view):
+                break
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._own = [self.fd, *self._own.values()], {}
+        self.fd = -1
+        for fd in fds:
+            if fd >= 0:
+                self.fs.os.close(fd)
+
+
+def _readinto(o, fd: int, view: memoryview) -> int:
+    readinto = getattr(o, "readinto", None)  # Python 3.14+
+    if readinto is not None:
+        return readinto(fd, view)
+    with io.FileIO(fd, "rb", closefd=False) as f:
+        return f.readinto(view) or 0
+
+
+CURRENT = FileOS(os, sys.platform, _fcntl, _msvcrt)
+
+
+def current() -> FileOS:
+    return CURRENT
