@@ -91,15 +91,19 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
 
 
 def test_rss_peak_sees_a_transient_allocation():
-    import numpy as np
+    import mmap
 
     rss = RssPeak()
     if not rss.exact:
         pytest.skip("no resettable kernel RSS high-water mark on this platform")
     rss.start()
     base = rss.read()
-    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
-    del block
+    # 64 MiB of fresh anonymous pages, each touched: a heap block could reuse pages already resident (and
+    # counted), which left the peak where it was once earlier tests had grown the heap
+    block = mmap.mmap(-1, 64 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1
+    block.close()
     assert rss.read() >= base + 60 * 2**20
     rss.start()
     assert rss.read() < base + 60 * 2**20
