@@ -12,6 +12,7 @@ import torch
 from offload_core import KVStore, OffloadConfig
 from offload_core.tiers import fileread as file_tier
 
+from ordering_helpers import read_back
 from test_contract import make_layers
 
 ASYNC = ["ram_async", "file_async"]
@@ -19,16 +20,6 @@ ASYNC = ["ram_async", "file_async"]
 
 def config(mode, tmp_path, depth=1):
     return OffloadConfig(mode=mode, prefetch_depth=depth, file_dir=str(tmp_path) if "file" in mode else None)
-
-
-def read_back(sim, store, keys):
-    """Gets `keys` in turn, each read by a kernel queued on the consumer's stream; what they saw, after a sync."""
-    seen = []
-    for key in keys:
-        k, v = store.get(key)
-        sim.launch(lambda k, v, key=key: seen.append((key, k.clone(), v.clone())), k, v)
-    sim.synchronize()
-    return seen
 
 
 def assert_exact(seen, layers):

@@ -12,16 +12,8 @@ from offload_core import KVStore, OffloadConfig, devices
 from offload_core.hostmem import HostAllocator
 from offload_core.tiers.staging import StagingPool
 
+from ordering_helpers import read_back
 from test_contract import make_layers
-
-
-def read_back(sim, store, keys):
-    seen = []
-    for key in keys:
-        k, v = store.get(key)
-        sim.launch(lambda k, v, key=key: seen.append((key, k.clone(), v.clone())), k, v)
-    sim.synchronize()
-    return seen
 
 
 def test_a_chunk_is_written_only_after_its_copy_into_the_staging_buffer(make_sim, tmp_path):

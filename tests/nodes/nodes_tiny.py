@@ -156,6 +156,12 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
             x = x - 0.25 * d
         return x
 
+    return through_outer_wrappers(model_options, guider, loop)
+
+
+def through_outer_wrappers(model_options: dict, guider, loop):
+    """Runs `loop` inside every OUTER_SAMPLE wrapper of `model_options`, first registered outermost (ComfyUI's
+    `WrapperExecutor` chain)."""
     wrappers = [w for ws in model_options.get("transformer_options", {}).get("wrappers", {})
                 .get("outer_sample", {}).values() for w in ws]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nodes_tiny import Executor, Guider, _repeat
+from nodes_tiny import Guider, _repeat, through_outer_wrappers
 
 
 class TinyWanAnimate2(torch.nn.Module):
@@ -193,12 +193,4 @@ def sample(model, model_options, noise, pose, txts, steps=3, cfg=None, batched=T
             x = x - 0.25 * d
         return x
 
-    wrappers = [w for ws in model_options.get("transformer_options", {}).get("wrappers", {})
-                .get("outer_sample", {}).values() for w in ws]
-
-    def call(i):
-        if i == len(wrappers):
-            return loop()
-        return wrappers[i](Executor(guider, lambda: call(i + 1)))
-
-    return call(0)
+    return through_outer_wrappers(model_options, guider, loop)
