@@ -160,7 +160,10 @@ def measure_row(label: str, mode: str, share: Optional[float], sizes: PoseSizes,
         fill_s = time.perf_counter() - start
         _, exact = cached_pass(stores, sizes, compute, base)  # the warm-up: every take checked bit for bit
         waited = sum(s.stats()["exposed_wait_s"] for s in stores)
-        latencies = [cached_pass(stores, sizes, compute)[0] for _ in range(runs)]
+        latencies, computes = [], []
+        for _ in range(runs):  # each pass beside the compute alone: a load change on the machine hits both
+            latencies.append(cached_pass(stores, sizes, compute)[0])
+            computes.append(compute_pass(sizes, compute, base))
         stats = [s.stats() for s in stores]
     finally:
         for store in stores:
@@ -169,24 +172,23 @@ def measure_row(label: str, mode: str, share: Optional[float], sizes: PoseSizes,
     return {"row": label, "mode": mode, "host_budget": budget, "windows": sizes.windows, "bytes": places,
             "spill_bytes": places["file"] if budget is not None else 0, "fill_s": fill_s,
             "latency_s": statistics.median(latencies), "latency_min_s": min(latencies),
-            "latency_max_s": max(latencies),
+            "latency_max_s": max(latencies), "compute_s": statistics.median(computes),
+            "overhead_s": statistics.median(latencies) - statistics.median(computes),
             "exposed_wait_s": (sum(s["exposed_wait_s"] for s in stats) - waited) / runs,
             "peak_device_bytes": max(s["peak_device_bytes"] for s in stats), "tier": stats[0]["tier"],
             "pinned_fallback": any(s["pinned_fallback"] for s in stats), "exact": bool(exact)}
 
 
 def measure(sizes: PoseSizes, device: torch.device, runs: int, rows=ROWS, seed: int = 0) -> tuple:
-    """(rows, compute_s): each row filled, warmed up once (every take checked), then `runs` timed passes.
-
-    Each row gets `overhead_s` (its latency less the compute alone) and `ratio` (latency over the RAM row's)."""
+    """(rows, compute_s): each row filled, warmed up once (every take checked), then `runs` timed passes, each
+    followed by the compute alone; `overhead_s` is the row's median pass less its median compute, `ratio` its
+    median pass over the RAM row's; `compute_s` the median of the rows' compute alone."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(1, max(sizes.window_tokens()), sizes.dim, generator=g).to(device, sizes.dtype)
     compute = Reprojection(sizes, device, seed)
     compute_pass(sizes, compute, base)  # warm-up: kernels chosen, weights touched
-    compute_s = statistics.median(compute_pass(sizes, compute, base) for _ in range(runs))
     out = [measure_row(label, mode, share, sizes, base, compute, runs) for label, mode, share in rows]
     ref = next((r["latency_s"] for r in out if r["row"] == REFERENCE), None)
     for r in out:
-        r["overhead_s"] = r["latency_s"] - compute_s
         r["ratio"] = r["latency_s"] / ref if ref else None
-    return out, compute_s
+    return out, statistics.median(r["compute_s"] for r in out)

@@ -89,7 +89,7 @@ def shortfall(sizes, device, folder: str, free: Optional[dict] = None) -> Option
 def table(rows: list, compute_s: float, settings: str) -> str:
     head = ("row", "device MiB", "RAM MiB", "file MiB", "spill MiB", "fill s", "pass s", "exposed wait ms",
             "overhead s", "x ram_async", "exact")
-    lines = [settings, f"compute alone: {compute_s:.3f} s per pass", " | ".join(head)]
+    lines = [settings, f"compute alone (median over the rows): {compute_s:.3f} s per pass", " | ".join(head)]
     for r in rows:
         b = r["bytes"]
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
