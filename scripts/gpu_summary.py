@@ -140,7 +140,8 @@ def pose_rows(folder: str, step: str, title: str) -> list:
         log = _read(os.path.join(folder, f"{step}.log"))
         absent = rc == 2 and "unrecognized arguments: --pose" in log
         status = NOTE if absent or (rc == 2 and "pose cache (" in log and " needs " in log) else FAIL
-        return [(title, status, "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}")]
+        why = "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}"
+        return [(title, status, why)]
     out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
     for r in rows:
         b, ratio = r["bytes"], r.get("ratio")

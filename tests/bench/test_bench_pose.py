@@ -51,7 +51,8 @@ def test_every_row_serves_the_puts_bit_for_bit_from_where_it_says(files_here):
     for r in rows:
         assert r["ratio"] == pytest.approx(r["latency_s"] / by["ram_async"]["latency_s"])
         assert r["overhead_s"] == pytest.approx(r["latency_s"] - r["compute_s"]) and r["compute_s"] > 0
-    assert compute_s == statistics.median(r["compute_s"] for r in rows) and os.listdir(files_here) == []  # every store closed: no file, no folder left
+    assert compute_s == statistics.median(r["compute_s"] for r in rows)
+    assert os.listdir(files_here) == []  # every store closed: no file, no folder left
 
 
 def test_windows_share_one_ram_budget(files_here):
@@ -82,7 +83,8 @@ def test_the_command_prints_the_table_and_writes_every_field(tmp_path, capsys):
 def test_a_cache_larger_than_the_free_memory_is_refused_before_anything_is_allocated(monkeypatch, capsys):
     full = pose.pose_sizes("full", 81)
     assert posecli.shortfall(full, torch.device("cpu"), "", free={"RAM": 64 * GiB, "disk": 64 * GiB}) is None
-    line = posecli.shortfall(full, torch.device("cuda"), "", free={"RAM": 64 * GiB, "disk": 8 * GiB, "device": 80 * GiB})
+    free = {"RAM": 64 * GiB, "disk": 8 * GiB, "device": 80 * GiB}
+    line = posecli.shortfall(full, torch.device("cuda"), "", free=free)
     assert line.startswith("bench --pose: a 12.50 GiB pose cache") and "disk 12.50 GiB (8.00 GiB free)" in line
     assert "RAM" not in line and "device" not in line and "fewer --frames" in line
     monkeypatch.setattr(posecli, "_free", lambda device, folder: {"RAM": GiB, "disk": 64 * GiB})
