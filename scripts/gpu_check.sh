@@ -10,18 +10,22 @@
 #   4. `bench --batch --size full` for both pipelines: a batch of 4 from one prompt against a batch of 1 in gpu,
 #      ram_async and file_async, identical rows kept once and not (bytes kept, moved per step, latency), each
 #      batch-4 row checked bit for bit against the one without dedup (~1.5 min per pipeline, estimated);
-#   5. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
+#   5. `bench --pose --size full`: Wan Animate 2's pose-branch cache at Wan 14B's width (5120, 40 blocks,
+#      480x832, bf16) for a short clip (POSE_FRAMES, default 17: 5 latent frames, 76 MiB a block, 3.0 GiB),
+#      in gpu, RAM, files and RAM under a budget that spills, every block taken checked bit for bit
+#      (estimated ~1 min: 6 rows of 3 passes; the file rows move ~12 GiB each, ~6 s at 2 GB/s);
+#   6. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
 #
-# Time on one H100-class GPU, about 11 minutes. Estimated from DESIGN section 6 (A100, Qwen-Image 2.1, 1024^2,
+# Time on one H100-class GPU, about 12 minutes. Estimated from DESIGN section 6 (A100, Qwen-Image 2.1, 1024^2,
 # 40 steps): 18.33 s with the cache on the GPU is ~0.46 s a step; an H100 does ~2x, so ~0.23 s a cached step
 # and ~0.46 s for the extracting one. The transfers do not speed up: per step, ram_sync adds ~0.16 s, warm
 # file_sync ~0.9 s, cold file_sync ~2.8 s and cold file_async ~2.4 s (the seed's 24.86 / 55.20 / 128.41 /
 # 103.71 s over 40 steps, less compute). At --steps 4 one round of the 9 rows is ~33 s (the cold file rows
 # ~19 s of it); 1 warm-up + 2 timed rounds ~100 s per pipeline, plus ~20 s to build each model: ~4 min for
 # both. The tests take ~1.5 min under the sanitizer (it hooks every kernel launch) and ~40 s without, the
-# demo seconds, the streaming benchmark at most STREAM_TIMEOUT (150 s; 3 rounds of ~50 one-GiB passes,
-# estimated ~25 s on a 7 GB/s NVMe drive). Each step has a time limit, so a hang shows as a failed row
-# instead of a stuck script. Override with BENCH_STEPS / BENCH_RUNS.
+# demo seconds, the pose cache at most POSE_TIMEOUT (240 s), the streaming benchmark at most STREAM_TIMEOUT
+# (150 s; 3 rounds of ~50 one-GiB passes, estimated ~25 s on a 7 GB/s NVMe drive). Each step has a time limit,
+# so a hang shows as a failed row instead of a stuck script. Override with BENCH_STEPS / BENCH_RUNS.
 #
 # Uses the current python if it has CUDA torch, else sets up ./.venv with TORCH_SPEC. Extra arguments go to
 # both benchmark runs (e.g. --modes gpu,ram_async). Results and logs: $GPU_CHECK_OUT (default gpu-check/).
@@ -70,6 +74,8 @@ if [ "$with_diffusers" = 1 ]; then
             --device cuda --steps "$steps" --runs 1 --json "$out/batch-$pipeline.json"
     done
 fi
+step pose "${POSE_TIMEOUT:-240}" "$py" -m offload_core bench --pose --size full --frames "${POSE_FRAMES:-17}" \
+    --device cuda --runs "$runs" --json "$out/pose.json"
 step stream "${STREAM_TIMEOUT:-150}" "$py" -m offload_core stream --device cuda --rounds 3
 echo
 "$py" scripts/gpu_summary.py "$out"

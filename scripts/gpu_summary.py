@@ -128,6 +128,31 @@ def batch_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
+def pose_rows(folder: str, step: str, title: str) -> list:
+    """`bench --pose`: a row passes when every block it served was the bytes put, bit for bit."""
+    rc = _rc(folder, step)
+    if rc is None:
+        return [(title, NOTE, "not run")]
+    try:
+        with open(os.path.join(folder, f"{step}.json")) as f:
+            rows = json.load(f)["pose_rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        log = _read(os.path.join(folder, f"{step}.log"))
+        absent = rc == 2 and "unrecognized arguments: --pose" in log
+        status = NOTE if absent or (rc == 2 and "pose cache (" in log and " needs " in log) else FAIL
+        why = "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}"
+        return [(title, status, why)]
+    out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    for r in rows:
+        b, ratio = r["bytes"], r.get("ratio")
+        detail = (f"{r['latency_s']:.2f} s a pass" + (f" ({ratio:.2f}x ram_async)" if ratio else "")
+                  + f", exposed wait {r['exposed_wait_s'] * 1e3:.0f} ms, RAM "
+                  f"{(b['host_pinned'] + b['host_pageable']) / 2**30:.2f} GiB, files {b['file'] / 2**30:.2f} GiB, "
+                  + ("bit-exact" if r["exact"] else "NOT bit-exact"))
+        out.append((f"{title}: {r['row']}", PASS if r["exact"] else FAIL, detail))
+    return out or [(title, FAIL, "no rows")]
+
+
 def optional_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
@@ -146,6 +171,7 @@ STEPS = [
     (bench_rows, "bench-flux2", "bench full FLUX.2 klein 9B"),
     (batch_rows, "batch-qwen21", "batch 4 vs 1, Qwen-Image 2.1"),
     (batch_rows, "batch-flux2", "batch 4 vs 1, FLUX.2 klein 9B"),
+    (pose_rows, "pose", "pose cache, Wan 14B width"),
     (optional_row, "stream", "streaming benchmark"),
 ]
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import cliargs
+from . import posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows
 
@@ -46,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", action="store_true", help="instead of the mode table: a batch of 4 images from one "
                    "prompt against a batch of 1 in gpu, ram_async and file_async, with identical rows kept once and "
                    "not (bytes kept, moved per step, latency; see offload_core/bench/batch.py)")
+    p.add_argument("--pose", action="store_true", help="instead of the mode table: Wan Animate 2's pose-branch cache "
+                   "(Wan 14B's 40 blocks at 480x832, bf16; width 128, or 5120 with --size full) in gpu, RAM, files "
+                   "and RAM under a budget that spills to files (see offload_core/bench/pose.py)")
+    p.add_argument("--frames", type=int, help="--pose: video frames, 4k + 1 (default 81)")
+    p.add_argument("--windows", type=int, help="--pose: context windows, one store each (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
     p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
     return p
@@ -56,6 +62,7 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     no torch run first, so a usage error answers at once; `--device` and the model's size come after."""
     cliargs.output_file(parser, "--json", args.json)  # first: a run must never end with nowhere to write
     cliargs.output_file(parser, "--plot", args.plot)
+    posecli.refuse_misplaced(args, parser)
     if args.plot and cliargs.missing("matplotlib"):
         parser.error(f"--plot needs matplotlib, which is not installed; {INSTALL} (or pip install matplotlib).")
     if args.size == "full" and args.model is not None:
@@ -179,6 +186,10 @@ def run(args) -> tuple[list[dict], dict, str]:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.pose:
+        from . import posecli
+
+        return posecli.main(args, parser)
     _check(args, parser)
     if args.batch and (args.modes or args.plot):
         parser.error("--batch measures its own rows (gpu, ram_async, file_async at batch 1 and 4); drop --modes "

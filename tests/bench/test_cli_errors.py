@@ -38,6 +38,19 @@ BAD = {
     "stream unknown option": (["stream", "--bogus"], "unrecognized arguments: --bogus"),
     "stream layer 0": (["stream", "--layer-mib", "0"], "--layer-mib must be >= 1"),
     "bench threads 0": (["bench", "--threads", "0"], "--threads must be >= 1"),
+    "pose frames 6": (["bench", "--pose", "--frames", "6"], "--frames must be 4k + 1"),
+    "pose frames 0": (["bench", "--pose", "--frames", "0"], "--frames must be 4k + 1"),
+    "pose windows 0": (["bench", "--pose", "--windows", "0"], "--windows must be between 1 and 16"),
+    "pose windows over frames": (["bench", "--pose", "--frames", "9", "--windows", "4"], "no more than the 3 latent"),
+    "pose runs 0": (["bench", "--pose", "--runs", "0"], "--runs must be >= 1"),
+    "pose modes": (["bench", "--pose", "--modes", "gpu"], "--modes does not apply to --pose"),
+    "pose batch": (["bench", "--pose", "--batch"], "--batch does not apply to --pose"),
+    "pose model": (["bench", "--pose", "--model", "{tmp}"], "--model does not apply to --pose"),
+    "pose steps": (["bench", "--pose", "--steps", "4"], "--steps does not apply to --pose"),
+    "pose json folder missing": (["bench", "--pose", "--json", "{tmp}/missing/p.json"], "--json"),
+    "pose device banana": (["bench", "--pose", "--device", "banana"], "--device 'banana' is not a device name"),
+    "frames without pose": (["bench", "--frames", "81"], "--frames applies to the pose cache benchmark only"),
+    "windows without pose": (["bench", "--windows", "2"], "--windows applies to the pose cache benchmark only"),
 }
 if os.path.isdir("/proc/self"):  # a folder where nothing can be created, for root too (os.access says yes to root)
     BAD["bench json in /proc"] = (["bench", "--json", "/proc/kv.json"], "--json '/proc/kv.json' cannot be written")
@@ -85,7 +98,7 @@ def _run_all(cases: dict, tmp_path, env=None) -> dict:
 
 def test_as_a_command_too_one_line_and_exit_2(tmp_path):
     some = ("json folder missing", "device banana", "model missing", "demo layers 0", "unknown command",
-            "stream prefetch depth 0", "stream device banana")
+            "stream prefetch depth 0", "stream device banana", "pose frames 6")
     results = _run_all({name: BAD[name] for name in some}, tmp_path)
     for name, (rc, out, err) in results.items():
         expected = BAD[name][1]
@@ -110,7 +123,8 @@ NO_TORCH = textwrap.dedent("""
 def test_help_and_usage_errors_answer_without_importing_torch(tmp_path):
     cases = ["--help", "bench --help", "stream --help", "demo --help", "bench --runs 0", "bench --modes vram",
              f"bench --json {tmp_path}/no/x.json", f"bench --model {tmp_path}/none", "stream --prefetch-depth 0",
-             "stream --device banana", "stream --rounds x", "demo --layers 0", "banana"]
+             "stream --device banana", "stream --rounds x", "demo --layers 0", "banana", "bench --pose --frames 6",
+             "bench --pose --modes gpu", "bench --frames 5"]
     done = subprocess.run([sys.executable, "-c", NO_TORCH, *cases], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     codes = {argv: line.rsplit(" ", 2)[1:] for argv, line in zip(cases, done.stdout.splitlines())}

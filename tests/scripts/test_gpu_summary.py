@@ -111,3 +111,26 @@ def test_a_batch_row_passes_only_when_bit_exact_against_dedup_off(passing, exact
     out = capsys.readouterr().out
     assert re.search(r"batch 4 vs 1, Qwen-Image 2.1: ram_async batch 4 +(pass|FAIL) +2.00 s, kept 2048 MiB, "
                      r"moved 2048 MiB/step, rows 32/128, " + ("bit-exact" if exact else "NOT bit-exact"), out), out
+
+
+def test_a_real_pose_json_passes_and_an_inexact_or_refused_one_is_told(tmp_path, one_torch_thread):
+    from offload_core.bench import main
+
+    path = tmp_path / "pose.json"
+    assert main(["--pose", "--frames", "1", "--runs", "1", "--json", str(path)]) == 0
+    write(tmp_path, "pose", 0)
+    rows = gpu_summary.pose_rows(str(tmp_path), "pose", "pose")
+    assert [status for _, status, _ in rows] == ["pass"] * 6, rows
+    assert rows[2][0] == "pose: ram_async" and "(1.00x ram_async)" in rows[2][2] and "bit-exact" in rows[2][2]
+    data = json.loads(path.read_text())
+    data["pose_rows"][3]["exact"] = False
+    path.write_text(json.dumps(data))
+    write(tmp_path, "pose", 1)
+    rows = gpu_summary.pose_rows(str(tmp_path), "pose", "pose")
+    assert rows[3][1] == "FAIL" and "NOT bit-exact" in rows[3][2]
+    path.unlink()
+    write(tmp_path, "pose", 2, "bench --pose: a 12.50 GiB pose cache (81 frames, width 5120) needs RAM 12.50 GiB "
+          "(4.00 GiB free); use fewer --frames, or --size tiny.\n")
+    assert gpu_summary.pose_rows(str(tmp_path), "pose", "pose")[0][1] == "note"
+    write(tmp_path, "pose", 139, "Segmentation fault\n")
+    assert gpu_summary.pose_rows(str(tmp_path), "pose", "pose")[0][1] == "FAIL"
