@@ -104,19 +104,28 @@ def bench_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
-def batch_rows(folder: str, step: str, title: str) -> list:
-    """`bench --batch`: a batch-4 row passes when its images match the batch-4 row without dedup bit for bit."""
+def _family_rows(folder: str, step: str, title: str, field: str, flag: str, short_of_memory):
+    """(rc, rows of `field` in the step's JSON) or (rc, [a summary row]) when there are none: a NOTE where the
+    engine has no `flag` or the step refused for lack of memory (`short_of_memory(log)`), else a FAIL."""
     rc = _rc(folder, step)
     if rc is None:
-        return [(title, NOTE, "not run")]
+        return rc, None, [(title, NOTE, "not run")]
     try:
         with open(os.path.join(folder, f"{step}.json")) as f:
-            rows = json.load(f)["batch_rows"]
+            return rc, json.load(f)[field], None
     except (OSError, ValueError, KeyError, TypeError):
         log = _read(os.path.join(folder, f"{step}.log"))
-        absent = rc == 2 and "unrecognized arguments: --batch" in log
-        status = NOTE if absent or (rc == 2 and "needs about" in log) else FAIL
-        return [(title, status, "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}")]
+        absent = rc == 2 and f"unrecognized arguments: {flag}" in log
+        status = NOTE if absent or (rc == 2 and short_of_memory(log)) else FAIL
+        why = "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}"
+        return rc, None, [(title, status, why)]
+
+
+def batch_rows(folder: str, step: str, title: str) -> list:
+    """`bench --batch`: a batch-4 row passes when its images match the batch-4 row without dedup bit for bit."""
+    rc, rows, summary_rows = _family_rows(folder, step, title, "batch_rows", "--batch", lambda log: "needs about" in log)
+    if rows is None:
+        return summary_rows
     out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
     for r in rows:
         exact = r.get("exact")
@@ -130,18 +139,10 @@ def batch_rows(folder: str, step: str, title: str) -> list:
 
 def pose_rows(folder: str, step: str, title: str) -> list:
     """`bench --pose`: a row passes when every block it served was the bytes put, bit for bit."""
-    rc = _rc(folder, step)
-    if rc is None:
-        return [(title, NOTE, "not run")]
-    try:
-        with open(os.path.join(folder, f"{step}.json")) as f:
-            rows = json.load(f)["pose_rows"]
-    except (OSError, ValueError, KeyError, TypeError):
-        log = _read(os.path.join(folder, f"{step}.log"))
-        absent = rc == 2 and "unrecognized arguments: --pose" in log
-        status = NOTE if absent or (rc == 2 and "pose cache (" in log and " needs " in log) else FAIL
-        why = "not in this version of the engine" if absent else f"exit {rc}: {_last_line(folder, step)}"
-        return [(title, status, why)]
+    rc, rows, summary_rows = _family_rows(folder, step, title, "pose_rows", "--pose",
+                                          lambda log: "pose cache (" in log and " needs " in log)
+    if rows is None:
+        return summary_rows
     out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
     for r in rows:
         b, ratio = r["bytes"], r.get("ratio")
