@@ -9,7 +9,8 @@ import diffusers
 from .. import HostServices, Mode
 from ..reuse import PrefixRegistry, parse_budget
 from . import flux2, qwenimage21
-from .session import OffloadSession, make_config, session_of
+from .pipeguard import session_of
+from .session import OffloadSession, make_config
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ import torch
 from diffusers.models.transformers.transformer_flux2 import Flux2KVCache, Flux2KVLayerCache
 
 from .. import KVStore, KVWriteError
-from .session import OffloadSession, ours
+from .keys import ours
+from .session import OffloadSession
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache, QwenImage21KVLayerCache
 
 from .. import KVStore, KVWriteError, Mode
-from .session import OffloadSession, ours
+from .keys import ours
+from .session import OffloadSession
 
 _IMG_TOKENS_PER_SLOT = 4  # one vision-language image slot stands for 2x2 latent tokens
 

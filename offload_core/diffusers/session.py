@@ -11,29 +11,24 @@ reuse on, a store whose extraction completed is instead sealed, its device ring 
 session's `PrefixRegistry`, which keeps it (within its budgets) for a later request with the same prefix inputs.
 A store served from the registry (a hit) goes back to it at the same points.
 
-The call guard is a subclass of the pipeline's own class, made once per class and put on the instance
-(`pipe.__class__`); the decode guard is an instance attribute on the VAE. Both are removed by `detach()`.
-Nothing in diffusers is edited and no other instance is touched.
+The guards that end a request (on the pipeline's call and on its VAE's decode) are in `pipeguard.py`; both
+are removed by `detach()`. The reuse key's diffusers part is in `keys.py`.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 
 import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
 from ..fingerprint import ModelState, Unkeyable, model_state, plain
 from ..reuse import PrefixKey, PrefixRegistry
+from .keys import attention_backend, check_numerics, is_ours
+from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
 
 logger = logging.getLogger(__name__)
 
-_SESSION_ATTR = "_kv_offload_session"
-_GUARDED_CLASSES: dict[type, type] = {}
-_GUARDED_LOCK = threading.Lock()
-_CALLING = threading.local()  # the session whose pipeline call runs on this thread (shared transformers)
 
 
 class OffloadSession:
@@ -80,7 +75,7 @@ class OffloadSession:
     # -- reuse ---------------------------------------------------------------------------------------------
     def active(self) -> bool:
         """False while another enabled pipeline's call runs on this thread (both hook a shared transformer)."""
-        calling = getattr(_CALLING, "session", None)
+        calling = getattr(CALLING, "session", None)
         return calling is None or calling is self
 
     def reuse_key(self, family: str, transformer, device: torch.device, header: tuple,
@@ -214,11 +209,11 @@ class OffloadSession:
     def attach(self) -> None:
         """Install the call guard on the pipeline and the decode guard on its VAE."""
         pipe = self.pipe
-        object.__setattr__(pipe, _SESSION_ATTR, self)
-        object.__setattr__(pipe, "__class__", _guarded_class(type(pipe)))
+        object.__setattr__(pipe, SESSION_ATTR, self)
+        object.__setattr__(pipe, "__class__", guarded_class(type(pipe)))
         vae = getattr(pipe, "vae", None)
         if vae is not None:
-            _guard_decode(vae, self)
+            guard_decode(vae, self)
             self._decode_owner = vae
 
     def detach(self) -> None:
@@ -234,127 +229,11 @@ class OffloadSession:
                 handle.remove()
             self._hooks.clear()
             if self._decode_owner is not None:
-                _unguard_decode(self._decode_owner, self)
+                unguard_decode(self._decode_owner, self)
                 self._decode_owner = None
             pipe = self.pipe
             object.__setattr__(pipe, "__class__", type(pipe)._kv_offload_base)
-            object.__delattr__(pipe, _SESSION_ATTR)
-
-
-def ours(hook):
-    """Marks a hook this adapter installs: the reuse key leaves it out (it does not change the prefix)."""
-    hook._kv_offload = True
-    return hook
-
-
-def is_ours(hook) -> bool:
-    return getattr(hook, "_kv_offload", False) is True
-
-
-PROVEN_BACKENDS = {"native"}  # where a hit (a cached step 0) is bit-identical to an extract step 0, by test
-
-
-def check_numerics(transformer) -> None:
-    """Refuses numerics under which a hit is not proven bit-identical to a fresh request. A hit runs step 0 as a
-    cached call (target queries only), a fresh request as an extract call (every query): under an attention
-    backend or a matmul precision whose kernels round differently for another number of rows (`_native_math`;
-    float32 matmuls in reduced precision, "high" / "medium", TF32 on a GPU) the image changes in its last bits
-    although the prefix is the same. Found by the property run (tests/diffusers/reuse_property.py)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    precision = torch.get_float32_matmul_precision()
-    if precision != "highest":
-        raise Unkeyable(f"float32 matmuls run at precision {precision!r}, under which a hit is not proven to give "
-                        "the same bits as a fresh request (set torch.set_float32_matmul_precision('highest'))")
-    names = {str(getattr(_AttentionBackendRegistry.get_active_backend()[0], "value", "?"))}
-    names |= {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
-              for m in transformer.modules()
-              if getattr(getattr(m, "processor", None), "_attention_backend", None) is not None}
-    unproven = sorted(names - PROVEN_BACKENDS)
-    if unproven:
-        raise Unkeyable(f"the attention backend {', '.join(unproven)} is not proven to give a hit the same bits as "
-                        "a fresh request (its kernels may round differently for a cached step)")
-
-
-def attention_backend() -> str:
-    """diffusers' attention backend in force (`attention_backend(...)` context or `set_active_backend`)."""
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
-
-    name, _ = _AttentionBackendRegistry.get_active_backend()
-    return f"{name}, checks {_AttentionBackendRegistry._checks_enabled}"
-
-
-def session_of(pipe) -> OffloadSession | None:
-    return pipe.__dict__.get(_SESSION_ATTR)
-
-
-def _guarded_class(cls: type) -> type:
-    """A subclass of `cls` whose `__call__` closes the request's stores however the call ends."""
-    with _GUARDED_LOCK:
-        guarded = _GUARDED_CLASSES.get(cls)
-        if guarded is not None:
-            return guarded
-
-        @functools.wraps(cls.__call__)
-        def __call__(self, *args, **kwargs):
-            session = session_of(self)
-            previous = getattr(_CALLING, "session", None)
-            _CALLING.session = session
-            try:
-                result = cls.__call__(self, *args, **kwargs)
-            except BaseException:
-                if session is not None:
-                    session.end_request(raise_errors=False)
-                raise
-            finally:
-                _CALLING.session = previous
-            if session is not None:
-                session.end_request()
-            return result
-
-        def __reduce_ex__(self, protocol):
-            # An enabled pipeline carries hooks, open stores and a wrapped VAE bound to this process: a copy
-            # would share them silently. Refuse clearly instead (pickle, copy.copy and copy.deepcopy land here).
-            raise TypeError(f"{cls.__name__} has KV offload enabled and cannot be pickled or copied; call "
-                            "disable_kv_offload(pipe) first and enable it again on the copy.")
-
-        namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__,
-                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__, "_kv_offload_base": cls}
-        guarded = type(cls.__name__, (cls,), namespace)
-        _GUARDED_CLASSES[cls] = guarded
-        return guarded
-
-
-def _guard_decode(vae, session: OffloadSession) -> None:
-    # An instance attribute shadows the class's `decode` for this VAE only; `del` restores it. The previous
-    # instance attribute, if any (another pack's wrapper), is kept and called through.
-    inner = vae.__dict__.get("decode")
-    bound = inner if inner is not None else vae.decode
-
-    @functools.wraps(bound)
-    def decode(*args, **kwargs):
-        # The denoising loop is over once the final latents reach the VAE: drop the K/V before decode allocates.
-        # A decode while the loop still runs (a preview from a step callback: the pipeline's current timestep is
-        # set) must leave the caches alone, the next steps still read them.
-        if getattr(session.pipe, "_current_timestep", None) is None:
-            session.end_request()
-        return bound(*args, **kwargs)
-
-    decode._kv_offload_previous = inner
-    decode._kv_offload_session = session
-    object.__setattr__(vae, "decode", decode)
-
-
-def _unguard_decode(vae, session: OffloadSession) -> None:
-    current = vae.__dict__.get("decode")
-    if current is None or getattr(current, "_kv_offload_session", None) is not session:
-        logger.warning("The VAE's decode was re-wrapped after KV offload was enabled; leaving it in place.")
-        return
-    previous = current._kv_offload_previous
-    if previous is None:
-        object.__delattr__(vae, "decode")
-    else:
-        object.__setattr__(vae, "decode", previous)
+            object.__delattr__(pipe, SESSION_ATTR)
 
 
 def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
