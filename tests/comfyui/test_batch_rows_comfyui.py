@@ -1,4 +1,5 @@
-"""Batches of 2 and 4 latents in a real ComfyUI: every lossless mode bit-identical to `gpu`, CFG on and off, and
+"""Batches of 2 and 4 latents in a real ComfyUI: `gpu` bit-identical to ComfyUI's own FluxKVCache (every row kept,
+no dedup) and every lossless mode to `gpu`, CFG on and off, and
 the stats say how many batch rows each store kept (FLUX.2's reference tokens attend to the noisy target on the
 capture step, so only the layers before that attention see identical rows)."""
 
@@ -9,8 +10,8 @@ from test_integration import LOSSLESS, graph, sampled
 pytestmark = pytest.mark.comfyui
 
 
-def _latent_and_stores(comfy, mode, model, cfg, batch, seed):
-    g = graph(model=model, mode=mode, cfg=cfg, seed=seed)
+def _latent_and_stores(comfy, mode, model, cfg, batch, seed, flux_kv=None):
+    g = graph(model=model, mode=mode, cfg=cfg, seed=seed, flux_kv=flux_kv)
     g["start"]["inputs"]["batch"] = batch
     entry = comfy.run(g)
     assert sampled(entry)
@@ -24,8 +25,9 @@ def _latent_and_stores(comfy, mode, model, cfg, batch, seed):
 @pytest.mark.parametrize("model", ["flux2", "qwen_image"])
 def test_batches_are_exact_in_every_lossless_mode(comfy, model, batch, cfg):
     seed = 300 + batch + int(cfg)
+    stock, _ = _latent_and_stores(comfy, None, model, cfg, batch, seed, flux_kv="only")
     reference, stores = _latent_and_stores(comfy, "gpu", model, cfg, batch, seed)
-    assert reference.shape[0] == batch
+    assert reference.shape[0] == batch and reference.equal(stock), f"{model} gpu batch {batch}: differs from FluxKVCache"
     for mode in LOSSLESS:
         latent, stores = _latent_and_stores(comfy, mode, model, cfg, batch, seed)
         assert latent.equal(reference), f"{model} {mode} batch {batch}: differs from gpu"
