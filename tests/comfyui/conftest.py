@@ -4,6 +4,10 @@
 `--extra-model-paths-config` (a YAML with `custom_nodes:` pointing at a temp dir of symlinks), every
 ComfyUI directory (temp, output, input, user) under a temp base directory, an in-memory database, and a
 tiny random FLUX.2 and Wan Animate 2 checkpoints written at start-up. Skipped, with the reason, when COMFYUI_PATH is unset.
+
+COMFYUI_FRONTEND_PATH (optional) names a folder holding another front end,
+`pip install --target DIR comfyui-frontend-package==X`; it goes first on the ComfyUI process's PYTHONPATH,
+so the page is that front end instead of the one ComfyUI's Python has installed (`comfy.frontend` is its version).
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ def _free_port() -> int:
 class Comfy:
     """A running ComfyUI server and the few HTTP calls the tests need (loopback only)."""
 
-    def __init__(self, url: str, base: Path, proc: subprocess.Popen, log: Path):
+    def __init__(self, url: str, base: Path, proc: subprocess.Popen, log: Path, frontend: str | None = None):
         self.url, self.base, self.proc, self.log = url, base, proc, log
+        self.frontend = frontend  # the version COMFYUI_FRONTEND_PATH holds; None: ComfyUI's own
         self.client_id = uuid.uuid4().hex
 
     def request(self, method: str, path: str, body=None):
@@ -94,6 +99,20 @@ class Comfy:
         return [str(p) for d in dirs if d.exists() for p in d.rglob("*") if p.is_file()]
 
 
+def _frontend_env() -> tuple[dict, str | None]:
+    """The ComfyUI process's environment and the front-end version COMFYUI_FRONTEND_PATH adds (None if unset)."""
+    env = dict(os.environ)
+    folder = env.pop("COMFYUI_FRONTEND_PATH", "")
+    if not folder:
+        return env, None
+    found = sorted(Path(folder).glob("comfyui_frontend_package-*.dist-info"))
+    if not (Path(folder) / "comfyui_frontend_package").is_dir() or not found:
+        raise pytest.UsageError(f"COMFYUI_FRONTEND_PATH={folder} holds no comfyui_frontend_package; make it with "
+                                f"`pip install --target {folder} comfyui-frontend-package==VERSION`")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
+    return env, found[-1].name.removeprefix("comfyui_frontend_package-").removesuffix(".dist-info")
+
+
 @pytest.fixture(scope="session")
 def comfy(tmp_path_factory):
     comfy_path = os.environ.get("COMFYUI_PATH")
@@ -121,9 +140,10 @@ def comfy(tmp_path_factory):
     cmd = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
            "--extra-model-paths-config", str(config), "--database-url", "sqlite:///:memory:",
            "--disable-auto-launch"]
+    env, frontend = _frontend_env()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=comfy_path, stdout=out, stderr=subprocess.STDOUT)
-    server = Comfy(f"http://127.0.0.1:{port}", base, proc, log)
+        proc = subprocess.Popen(cmd, cwd=comfy_path, stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Comfy(f"http://127.0.0.1:{port}", base, proc, log, frontend)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

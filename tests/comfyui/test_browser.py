@@ -15,114 +15,23 @@ Run: COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_PYTHON=...] [CHROMIUM=/usr/bin/chrom
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import re
-import shutil
-import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from chromium import PAGE_TIMEOUT_S, READY_JS, close_dialogs, page, shots_dir  # noqa: F401  (`page`: the fixture)
 from test_integration import graph  # the integration suite's tiny FLUX.2 graph
-from procs import stop
-
-websocket = pytest.importorskip("websocket", reason="the browser test drives Chromium with websocket-client")
 
 pytestmark = [pytest.mark.browser, pytest.mark.comfyui]
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-default-apps", "--disable-extensions", "--mute-audio", "--window-size=1600,1000",
-                  "--no-proxy-server", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"]
-PAGE_TIMEOUT_S = 120
 RUN_TIMEOUT_S = 300
 IDLE_S = 5.0
 # A large reference makes the capture step (the forward that sees the reference tokens) take seconds on a
 # CPU, as it does on a real model, while the cached steps stay fast.
 SLOW_CAPTURE_REF = 32
-
-
-def _chromium() -> str:
-    path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if not path:
-        pytest.skip("no chromium on PATH (Debian: apt-get install chromium), and CHROMIUM is unset")
-    return path
-
-
-class Page:
-    """The smallest DevTools-protocol client: evaluate JavaScript, take a screenshot, keep the events."""
-
-    def __init__(self, ws_url: str):
-        self.ws = websocket.create_connection(ws_url, timeout=60, suppress_origin=True)
-        self._id = 0
-        self.events: list = []
-
-    def call(self, method: str, **params) -> dict:
-        self._id += 1
-        self.ws.send(json.dumps({"id": self._id, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv())
-            if msg.get("id") == self._id:
-                if "error" in msg:
-                    raise AssertionError(f"{method}: {msg['error']}")
-                return msg["result"]
-            if "method" in msg:
-                self.events.append(msg)
-
-    def eval(self, expression: str):
-        result = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise AssertionError(f"page error: {json.dumps(result['exceptionDetails'])[:2000]}")
-        return result["result"].get("value")
-
-    def until(self, expression: str, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = self.eval(expression)
-            if value:
-                return value
-            time.sleep(0.2)
-        raise AssertionError(f"timed out waiting for {what}")
-
-    def screenshot(self, path: Path) -> Path:
-        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
-        print(f"screenshot: {path}")
-        return path
-
-
-@pytest.fixture
-def page(comfy, tmp_path):
-    exe = _chromium()
-    cmd = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", comfy.url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        port = None
-        deadline = time.monotonic() + 60
-        while port is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                raise AssertionError(f"chromium exited with {proc.returncode}")
-            if "DevTools listening on ws://" in line:
-                port = int(line.split("ws://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
-        assert port, "chromium did not report its DevTools port"
-        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback only
-        with no_proxy.open(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
-            targets = [t for t in json.load(r) if t.get("type") == "page"]
-        yield Page(targets[0]["webSocketDebuggerUrl"])
-    finally:
-        stop(proc, 15)
-
-
-READY_JS = """(() => {
-  const app = window.comfyAPI?.app?.app;
-  const LG = window.LiteGraph ?? window.comfyAPI?.litegraph?.LiteGraph;
-  return !!(app?.graph && app.extensions?.some((e) => e.name === "kv_offload.memory")
-    && LG?.registered_node_types?.KVMemoryMonitor && LG.registered_node_types.KVOffloadSettings);
-})()"""
 
 # Load the API graph (node ids kept: its Settings node is "kvo"), add a monitor and a second Settings node,
 # all at their default sizes; record every state the readouts pass through.
@@ -248,17 +157,6 @@ def _setup(page, api_graph: dict) -> dict:
     raise AssertionError("the page kept replacing its graph; the monitor node did not stay")
 
 
-def _shots_dir(tmp_path: Path) -> Path:
-    folder = Path(os.environ.get("KV_OFFLOAD_SCREENSHOT_DIR") or tmp_path)
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def _close_dialogs(page) -> None:
-    """Escape closes the templates browser of a fresh profile and error dialogs, so screenshots show the canvas."""
-    for kind in ("keyDown", "keyUp"):
-        page.call("Input.dispatchKeyEvent", type=kind, key="Escape", code="Escape", windowsVirtualKeyCode=27)
-
 
 def _check_layout(page, when: str) -> dict:
     layout = page.eval(LAYOUT_JS)
@@ -283,11 +181,11 @@ def _test_graph(steps: int, seed: int, ref: int = SLOW_CAPTURE_REF) -> dict:
 
 
 def test_readout_at_default_size_during_and_after_a_run(comfy, page, tmp_path):
-    shots = _shots_dir(tmp_path)
+    shots = shots_dir(tmp_path)
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
     page.call("Network.enable")
     _setup(page, _test_graph(steps=5000, seed=int(time.time())))
-    _close_dialogs(page)
+    close_dialogs(page)
     _check_layout(page, "before any run")
 
     # nothing of the readout in the workflow or the prompt: the Settings nodes keep exactly their inputs
@@ -344,7 +242,7 @@ def test_readout_at_default_size_during_and_after_a_run(comfy, page, tmp_path):
     assert result["compact"].startswith(("last run finished", "finished")) and "held" in result["compact"]
     assert result["other"].startswith("no run") and "held" not in result["other"]
     _check_layout(page, "after the run")
-    _close_dialogs(page)
+    close_dialogs(page)
     page.screenshot(shots / "kv_memory_monitor.png")
 
     # 3. idle: the page fetches nothing and the server sends nothing
@@ -368,16 +266,16 @@ def test_readout_at_default_size_during_and_after_a_run(comfy, page, tmp_path):
     assert sidebar["text"] == result["expected"] and sidebar["header"] == "KV Memory"
     assert not sidebar["collapsed"], "the sidebar readout is squeezed under its header"
     assert sidebar["bars"] >= 2 and sidebar["over"] == 0  # on a CPU: RAM and the KV cache (and swap if any)
-    _close_dialogs(page)
+    close_dialogs(page)
     page.screenshot(shots / "kv_memory_sidebar.png")
 
 
 def test_a_bad_mode_gives_one_message_on_mode(comfy, page, tmp_path):
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
     _setup(page, _test_graph(steps=2, seed=5, ref=4))
-    _close_dialogs(page)
+    close_dialogs(page)
     got = page.eval(BAD_MODE_JS)
     assert [e["extra_info"]["input_name"] for e in got["errors"]] == ["mode"], got
     assert "`mode` must be one of" in got["errors"][0]["details"]
-    page.screenshot(_shots_dir(tmp_path) / "kv_bad_mode.png")
+    page.screenshot(shots_dir(tmp_path) / "kv_bad_mode.png")
     assert got["details"] and got["shown"] == ["KV Offload Settings - mode"], got  # one error, on mode

@@ -16,10 +16,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
-from test_browser import PAGE_TIMEOUT_S, READY_JS, page  # noqa: F401  (the `page` fixture: headless Chromium)
+from chromium import PAGE_TIMEOUT_S, READY_JS, page  # noqa: F401  (the `page` fixture: headless Chromium)
 
 pytestmark = pytest.mark.comfyui
 
@@ -33,7 +34,7 @@ NEWER_COMFYUI = {  # node -> (why it is missing here, the slot types the workflo
                               {"inputs": {"clip": "CLIP", "vae": "VAE", "images.image_1": "IMAGE"},
                                "outputs": ["CONDITIONING", "CONDITIONING", "LATENT"]}),
 }
-ONLY_ON_NEWER = {"qwen_image_21": {"TextEncodeQwenImage21"}}  # the workflows that need a newer ComfyUI
+ONLY_ON_NEWER = {"Qwen-Image 2.1 - KV prefix offload": {"TextEncodeQwenImage21"}}  # the workflows that need a newer ComfyUI
 LINK_TYPES = {"MODEL", "CLIP", "VAE", "IMAGE", "MASK", "LATENT", "CONDITIONING", "GUIDER", "SAMPLER", "SIGMAS", "NOISE",
               "CLIP_VISION", "CLIP_VISION_OUTPUT", "VIDEO", "AUDIO"}
 FILE_WIDGETS = {"unet_name", "clip_name", "vae_name", "image", "file"}  # lists of files that are absent in the test ComfyUI
@@ -78,11 +79,24 @@ def _widget_names(spec: dict) -> list:
     return names
 
 
+def test_each_workflow_has_a_small_jpeg_thumbnail_of_its_name():
+    """The template browser shows `<name>.jpg` beside `<name>.json` (without one: a 404 and a stand-in)."""
+    from PIL import Image
+
+    assert sorted(p.stem for p in FOLDER.glob("*.jpg")) == WORKFLOWS
+    for name in WORKFLOWS:
+        path = FOLDER / f"{name}.jpg"
+        with Image.open(path) as im:
+            assert (im.format, im.size) == ("JPEG", (640, 400)), f"{path.name}: {im.format} {im.size}"
+        assert 5_000 < path.stat().st_size < 80_000, f"{path.name}: {path.stat().st_size} bytes"
+        assert "_" not in name and name[0].isupper(), f"{name}: the file name is the card's title"
+
+
 def test_templates_are_served_by_comfyui(comfy):
     code, listing = comfy.request("GET", "/workflow_templates")
     assert code == 200 and sorted(listing[PACK]) == WORKFLOWS
     for name in WORKFLOWS:
-        code, served = comfy.request("GET", f"/api/workflow_templates/{PACK}/{name}.json")
+        code, served = comfy.request("GET", f"/api/workflow_templates/{PACK}/{quote(name)}.json")
         assert code == 200 and served == _load(name)
 
 
@@ -156,7 +170,7 @@ LOAD_JS = """(async (name) => {
   const pinia = document.getElementById("vue-app")?.__vue_app__?.config.globalProperties.$pinia;
   const store = pinia?._s.get("missingNodesError");
   store?.setMissingNodeTypes([]);
-  const workflow = await (await fetch(`/api/workflow_templates/%s/${name}.json`)).json();
+  const workflow = await (await fetch(`/api/workflow_templates/%s/${encodeURIComponent(name)}.json`)).json();
   await app.loadGraphData(workflow);
   const LG = window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph;
   const nodes = app.graph.nodes;
@@ -175,6 +189,10 @@ LOAD_JS = """(async (name) => {
 })""" % PACK
 
 
+# Newer front ends register their note types a moment after the rest.
+NOTES_READY_JS = (f"{json.dumps(sorted(FRONTEND_ONLY))}.every((t) => t in "
+                  "(window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph).registered_node_types)")
+
 REPORTED_JS = """(document.getElementById("vue-app").__vue_app__.config.globalProperties.$pinia._s
   .get("missingNodesError").missingNodesError?.nodeTypes ?? []).map((e) => (typeof e === "string" ? e : e.type))"""
 
@@ -182,6 +200,7 @@ REPORTED_JS = """(document.getElementById("vue-app").__vue_app__.config.globalPr
 @pytest.mark.browser
 def test_the_front_end_loads_each_workflow_without_a_missing_node_report(comfy, page):  # noqa: F811
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
+    page.until(NOTES_READY_JS, PAGE_TIMEOUT_S, f"the front end's own {sorted(FRONTEND_ONLY)}")
     for name in WORKFLOWS:
         wf = _load(name)
         expected_ids = sorted(n["id"] for n in wf["nodes"])
@@ -199,4 +218,4 @@ def test_the_front_end_loads_each_workflow_without_a_missing_node_report(comfy, 
                        PAGE_TIMEOUT_S, f"{name}: the missing-node report to be {newer} (it was {got['reported']})")
         if not newer:
             assert got["dialogs"] == [], f"{name}: {got['dialogs']}"
-        assert got["settings"] == ["auto"]
+        assert got["settings"] == [n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "KVOffloadSettings"]
