@@ -198,3 +198,20 @@ def test_random_changes_never_get_a_stale_hit():
     counts = node_property_run(requests=60, seed=3)
     assert counts["stale"] == 0 and counts["wrong"] == 0, counts
     assert counts["hits"] >= 10 and counts["refused"] >= 1, counts
+
+
+@pytest.mark.parametrize("mode", ["gpu", "ram_async", "file_sync", "file_async", "auto"])
+def test_a_lossy_fill_pass_reads_the_decoded_prefix_from_every_tier(mode, tmp_path):
+    """The fill pass's `take` reads each layer back from the store just after its `put`, in every tier."""
+    dm = Tiny21()
+    host = HostServices(temp_dir=lambda: str(tmp_path))
+
+    def patched_in(m, reuse):
+        p, _ = apply_offload(Patcher(dm), config_from_inputs(m, storage="int8"), host=lambda _: host,
+                             store_factory=KVStore, reuse=reuse)
+        for name, obj in p.object_patches.items():
+            setattr(dm, name.split(".", 1)[1], obj)
+        return p
+
+    reference = queue(dm, patched_in("ram_sync", False), seed=1)
+    assert torch.equal(queue(dm, patched_in(mode, True), seed=1), reference)
