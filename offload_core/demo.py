@@ -8,11 +8,12 @@ import time
 import torch
 
 from .config import Mode, OffloadConfig
+from .places import DEVICE, FILE, HOST_PLACES, MiB
 from .store import KVStore
 
 # Where each mode keeps the cache between gets: the `bytes` entries of `KVStore.stats()` that must hold it all.
-PLACES = {Mode.GPU: ("device",), Mode.RAM_SYNC: ("host_pageable", "host_pinned"),
-          Mode.RAM_ASYNC: ("host_pageable", "host_pinned"), Mode.FILE_SYNC: ("file",), Mode.FILE_ASYNC: ("file",)}
+MODE_PLACES = {Mode.GPU: (DEVICE,), Mode.RAM_SYNC: HOST_PLACES, Mode.RAM_ASYNC: HOST_PLACES, Mode.FILE_SYNC: (FILE,),
+               Mode.FILE_ASYNC: (FILE,)}
 
 
 def round_trip(mode: Mode, layers, device: torch.device) -> dict:
@@ -32,20 +33,20 @@ def round_trip(mode: Mode, layers, device: torch.device) -> dict:
         stats = store.stats()
     total = sum(k.nbytes + v.nbytes for k, v in layers)
     tier = Mode(stats["tier"])
-    held = sum(stats["bytes"][place] for place in PLACES[tier])
+    held = sum(stats["bytes"][place] for place in MODE_PLACES[tier])
     return {"tier": tier.value, "reason": stats["reason"], "exact": exact and stats["gets"] == len(layers),
             "held": held >= total, "put_s": put_s, "get_s": get_s, "wait_ms": stats["exposed_wait_s"] * 1000}
 
 
 def run(args) -> int:
     """The demo on checked options (`democli.check`): 0 when every tier passed both checks, else 1."""
-    numel = max(1, int(args.mib * 2**20) // 2)
+    numel = max(1, int(args.mib * MiB) // 2)
     layers = [(torch.randn(numel, device=args.device).to(torch.bfloat16),
                torch.randn(numel, device=args.device).to(torch.bfloat16)) for _ in range(args.layers)]
-    print(f"{args.layers} layers of 2 x {numel * 2 / 2**20:.3f} MiB (bfloat16) on {args.device}")
+    print(f"{args.layers} layers of 2 x {numel * 2 / MiB:.3f} MiB (bfloat16) on {args.device}")
     print(f"{'mode':<11} {'tier':<11} {'exact':<6} {'held':<5} {'put s':>7} {'get pass s':>11} {'exposed wait ms':>16}")
     failed = []
-    for mode in PLACES:
+    for mode in MODE_PLACES:
         r = round_trip(mode, layers, args.device)
         print(f"{mode.value:<11} {r['tier']:<11} {'yes' if r['exact'] else 'NO':<6} {'yes' if r['held'] else 'NO':<5} "
               f"{r['put_s']:>7.3f} {r['get_s']:>11.3f} {r['wait_ms']:>16.1f}")

@@ -1,5 +1,5 @@
 """The store's guards against misuse: engine calls outside inference mode, one consumer thread, valid devices
-and layer pairs. Each raises before anything is allocated, naming the value, the rule and the fix.
+and layer pairs, served tensors left unmodified. Each raises before anything is allocated, naming the value, the rule and the fix.
 """
 
 from __future__ import annotations
@@ -66,3 +66,12 @@ def check_pair(key: Hashable, k, v, device: torch.device) -> None:
         if not same:
             raise ValueError(f"KVStore.put: `{name}` is on {t.device}, but this store serves {device}. "
                              f"Create the store with device={str(t.device)!r}, or move the tensor first.")
+
+
+def check_unmodified(key: Hashable, version: int, served: int) -> None:
+    """Refuses to serve a layer whose tensors were written in place since the store handed them out."""
+    if version != served:
+        raise RuntimeError(
+            f"KVStore.get: the K/V of layer {key!r} returned by an earlier get were modified in place; the store "
+            "serves its own buffers, which consumers must only read. Copy them first (e.g. torch.cat, .clone()) "
+            "before changing them. This layer is not served again as it is; recompute the prefix.")

@@ -45,7 +45,12 @@ class TensorSpec:
 class LayerLayout:
     k: TensorSpec
     v: TensorSpec
-    data_bytes: int  # both tensors with alignment, a multiple of ALIGN
+    data_bytes: int  # both tensors with alignment, a multiple of ALIGN: what a flat buffer of the layer holds
+
+    @property
+    def tensor_bytes(self) -> int:
+        """K and V without alignment: what two tensors of the layer hold (the device tier keeps two)."""
+        return self.k.nbytes + self.v.nbytes
 
     @property
     def specs(self) -> Tuple[TensorSpec, TensorSpec]:

@@ -14,46 +14,17 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .config import Mode
+from .places import DEVICE, FILE, GiB, HOST_PLACES, KiB, MiB, PAGEABLE, PINNED, PLACES, WORDS
 
-GiB = 1 << 30
-MiB = 1 << 20
 RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
 ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)
 
-DEVICE, PINNED, PAGEABLE, FILE = "device", "host_pinned", "host_pageable", "file"
-PLACES = (DEVICE, PINNED, PAGEABLE, FILE)
-HOST_PLACES = (PINNED, PAGEABLE)
-
-
-def fits(free: Optional[int], need: int) -> bool:
-    """True when `need` bytes fit into `free` with half of `need` plus a fixed reserve left over."""
-    return free is not None and free >= need + need // 2 + RESERVE_BYTES
-
 
 def room(free: Optional[int]) -> int:
-    """The most bytes `fits` accepts in `free` (0 when unknown): the inverse of the margin above."""
+    """The most bytes `auto` keeps in `free` (0 when unknown): half as much again and `RESERVE_BYTES` stay free."""
     if free is None or free <= RESERVE_BYTES:
         return 0
     return (free - RESERVE_BYTES) * 2 // 3
-
-
-def choose_tier(need: int, free_device: Optional[int], free_host: Optional[int], unified: Optional[str],
-                pin_budget: Optional[int] = None) -> Tuple[Mode, str]:
-    """The fastest single tier that holds the whole cache right now, and why (the first version's `auto`).
-
-    `unified` is the reason host RAM is no separate pool (unified memory, or the device is the CPU itself), in
-    which case a RAM tier would free nothing and is never picked.
-    """
-    gib = need / GiB
-    if fits(free_device, need):
-        return Mode.GPU, f"{gib:.2f} GiB fits in free device memory ({(free_device or 0) / GiB:.2f} GiB)"
-    if unified is None and fits(free_host, need):
-        pinned = "" if pin_budget is None or pin_budget >= need else \
-            f", {pin_budget / GiB:.2f} GiB of it pinned (budget), the rest pageable"
-        return Mode.RAM_ASYNC, f"{gib:.2f} GiB does not fit on the device but fits in free RAM{pinned}"
-    why = f"RAM tiers disabled, {unified}" if unified else \
-        f"{gib:.2f} GiB fits neither in free device memory nor in free RAM"
-    return Mode.FILE_ASYNC, why
 
 
 def resolve(requested: Mode, unified: Optional[str]) -> Tuple[Mode, str]:
@@ -117,7 +88,7 @@ class Plan:
         if counts.get(DEVICE, 0) == total:
             text = f"all {_count(total)} ({_gib(nbytes)}) fit {'within' if self.within else 'in'} {self.why[DEVICE]}"
         else:
-            said = [f"{counts[p]} {_WORDS[p]} ({self.why[p]})" for p in PLACES if counts.get(p)]
+            said = [f"{counts[p]} {WORDS[p]} ({self.why[p]})" for p in PLACES if counts.get(p)]
             text = f"{_count(total)} ({_gib(nbytes)}): " + ", ".join(said) + self.suffix
         return f"{self.label or self.mode.value}: {text}"
 
@@ -246,14 +217,11 @@ def _fill(f: Figures, resident: int, host_cap: Optional[int], pinned_cap: Option
 def _gib(n: Optional[int]) -> str:
     if n is None:
         return "unknown"
-    return f"{n / GiB:.2f} GiB" if n >= GiB // 4 else (f"{n / MiB:.1f} MiB" if n >= MiB // 4 else f"{n >> 10} KiB")
+    return f"{n / GiB:.2f} GiB" if n >= GiB // 4 else (f"{n / MiB:.1f} MiB" if n >= MiB // 4 else f"{n // KiB} KiB")
 
 
 def _count(layers: int) -> str:
     return f"{layers} layer{'s' * (layers != 1)}"
-
-
-_WORDS = {DEVICE: "resident on the device", PINNED: "in pinned RAM", PAGEABLE: "in pageable RAM", FILE: "in files"}
 
 
 def _whys(mode: Mode, f: Figures, host_cap: Optional[int], file_only: bool) -> Dict[str, str]:

@@ -1,21 +1,25 @@
-"""The ring of `depth + 1` device slots that every streamed layer comes back through.
+"""The serve path of a store: the learned layer order and the ring of `depth + 1` device slots.
 
 A slot holds one layer (its `key`) once a load into it is queued, with the load's `pending` and the `release`
 fence of the last consumer kernels that read it. A load into a slot waits for that fence, so a copy never
-overwrites data still being read; a slot whose load failed holds no key and is never served. The store
-decides which layer goes where and when (`KVStore.get`); the ring owns the slots and their buffers.
+overwrites data still being read; a slot whose load failed holds no key and is never served. When the consumer
+asks for layer i (`SlotRing.serve`), the slot of the layer it used before is released, layer i is waited for,
+and the next `depth` streamed layers in the learned order are loaded into free slots (resident layers need no
+load and are skipped, so a copy hides behind every resident layer before its use).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, Hashable, Iterable, List, Optional, Set
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
+from .codec import Compact
+from .dedup import expand_into
 from .devices import DONE, Streams
-from .layout import LayerLayout
-from .plan import FILE
+from .layout import LayerLayout, typed_views, views
+from .places import DEVICE
 from .stats import StoreStats
 from .tiers import Pending, Tier
 
@@ -35,24 +39,126 @@ class Slot:
 @dataclass
 class Layers:
     """What the store knows of its layers, shared with the ring (read-only here)."""
-    layouts: Dict[Hashable, LayerLayout]  # as put (the slot's dtype)
-    kept: Dict[Hashable, LayerLayout]  # as stored (encoded, with a codec)
-    where: Dict[Hashable, str]  # the place of each layer
-    resident: Set[Hashable]  # kept on the device, served without a load
-    coded: bool  # a codec decodes into the slot at `get`
-    exact: Set[Hashable]  # with a codec: layers kept as put all the same (they hold NaN or inf)
+    compact: Compact  # the codec (None: exact storage) and the layers it keeps exact (NaN or inf)
+    layouts: Dict[Hashable, LayerLayout] = field(default_factory=dict)  # as put (the slot's dtype)
+    kept: Dict[Hashable, LayerLayout] = field(default_factory=dict)  # as stored (encoded, with a codec)
+    where: Dict[Hashable, str] = field(default_factory=dict)  # the place of each layer
+    resident: Set[Hashable] = field(default_factory=set)  # kept on the device, served without a load
+    rows: Dict[Hashable, int] = field(default_factory=dict)  # layers kept as one row: the rows they are served as
 
-    def decoded(self, key: Hashable) -> bool:
-        """Layer `key` comes back encoded and is decoded into the slot."""
-        return self.coded and key not in self.exact
+    def add(self, key: Hashable, layout: LayerLayout, kept: LayerLayout, place: str, rows: int) -> None:
+        self.layouts[key], self.kept[key], self.where[key] = layout, kept, place
+        if rows > 1:
+            self.rows[key] = rows
+        if place == DEVICE:
+            self.resident.add(key)
+
+    def expands(self, key: Hashable) -> bool:
+        """Layer `key` is decoded or broadcast into a slot at `get` (so even a resident one needs a slot)."""
+        return self.compact.coded(key) or key in self.rows
+
+
+class LayerOrder:
+    """The order in which layers are consumed: that of the `put`s, replaced by each full pass of `get`s that
+    differs from it (a layer seen again starts a new pass), so skipped blocks or a double-then-single order are
+    followed."""
+
+    def __init__(self) -> None:
+        self.order: List[Hashable] = []
+        self._index: Dict[Hashable, int] = {}
+        self._pass: List[Hashable] = []
+        self._seen: set = set()
+
+    def add(self, key: Hashable) -> None:
+        self._index[key] = len(self.order)
+        self.order.append(key)
+
+    def observe(self, key: Hashable) -> None:
+        if self._pass and self._pass[-1] == key:
+            return  # the same layer asked for again is not a new pass
+        if key in self._seen:
+            if self._pass != self.order and self._pass:
+                self.order = list(self._pass)
+                self._index = {k: i for i, k in enumerate(self.order)}
+            self._pass, self._seen = [], set()
+        self._pass.append(key)
+        self._seen.add(key)
+
+    def ahead(self, key: Hashable, n: int, skip: Set[Hashable]) -> List[Hashable]:
+        """Up to `n` layers expected after `key`, wrapping into the next step, never `key` itself, passing over
+        those in `skip` (resident ones), so the next streamed layer's copy starts as early as possible."""
+        i = self._index.get(key)
+        count, out = len(self.order), []
+        for j in range(1, count if i is not None and n > 0 else 0):
+            nxt = self.order[(i + j) % count]
+            if nxt not in skip:
+                out.append(nxt)
+                if len(out) == n:
+                    break
+        return out
 
 
 class SlotRing:
-    def __init__(self, count: int, streams: Streams, tiers: Dict[str, Tier], layers: Layers, stats: StoreStats,
-                 device: torch.device):
+    def __init__(self, depth: int, streams: Streams, tiers: Dict[str, Tier], layers: Layers, order: LayerOrder,
+                 stats: StoreStats, device: torch.device):
         self._streams, self._tiers, self._layers, self._stats, self._device = streams, tiers, layers, stats, device
-        self.slots: List[Slot] = [Slot() for _ in range(count)]  # buffers come at the first load
+        self._depth, self._order = depth, order
+        self.slots: List[Slot] = [Slot() for _ in range(depth + 1)]  # buffers come at the first load
         self.current: Optional[Slot] = None  # the slot the consumer was last served from
+
+    def serve(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V of layer `key` on the device, as put: the resident tensors, or views of the slot holding it."""
+        layers = self._layers
+        if key in layers.resident and not layers.expands(key):
+            if len(layers.resident) < len(layers.layouts):  # else nothing streams: nothing to schedule
+                self._schedule(key, direct=True)
+            return self._tiers[DEVICE].view(key)
+        if self.current is None or self.current.key != key:  # else the same layer again: nothing moves
+            slot = self._schedule(key)
+            if layers.expands(key):
+                self._expand(key, slot)
+            self.current = slot
+        return typed_views(self.current.buffer, layers.layouts[key], self.current.typed)
+
+    def _schedule(self, key: Hashable, direct: bool = False) -> Optional[Slot]:
+        """Releases the slot served before, waits for layer `key` (unless `direct`: resident, served as kept) and
+        queues the loads of the layers ahead of it."""
+        self._order.observe(key)
+        self.release_current()
+        # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
+        # the consumer is stalled; copies queued on the side stream are not.
+        with self._streams.timed("wait"):
+            ahead = self._order.ahead(key, self._depth, skip=self._layers.resident)
+            slot = None if direct else self.holding(key)
+            if slot is None and not direct:  # not prefetched: the consumer waits for the whole load
+                if key not in self._layers.resident:
+                    self._stats.count_miss()
+                slot = self.load(key, self.spare(keep=ahead))
+            self.prefetch(key, ahead)  # the next streamed layers' copies hide behind this layer's compute
+            if slot is not None:
+                try:
+                    slot.pending.wait(self._streams.consumer())
+                except BaseException:
+                    slot.key = None  # what the slot holds is unknown now: never serve it
+                    raise
+        return slot
+
+    def _expand(self, key: Hashable, slot: Slot) -> None:
+        # On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded`
+        # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
+        # broadcast and the kernels reading its output.
+        layers = self._layers
+        try:
+            coded = layers.compact.coded(key)
+            if key in layers.resident:
+                source = self._tiers[DEVICE].view(key)
+            else:
+                source = views(slot.coded if coded else slot.buffer, layers.kept[key])
+            expand_into(self._streams, layers.compact.codec if coded else None, source, slot.buffer,
+                        layers.layouts[key], layers.rows.get(key, 1))
+        except BaseException:
+            slot.key = None
+            raise
 
     def holding(self, key: Hashable) -> Optional[Slot]:
         return next((s for s in self.slots if s.key == key), None)
@@ -87,7 +193,7 @@ class SlotRing:
     def load(self, key: Hashable, slot: Slot) -> Slot:
         layers = self._layers
         layout, kept = layers.layouts[key], layers.kept[key]
-        decoded = layers.decoded(key)
+        decoded = layers.compact.coded(key)
         # Encoded bytes are copied into `slot.coded` (None: no such copy), even when there are none (no tokens).
         coded = kept.data_bytes if decoded and key not in layers.resident else None
         self._fit(slot, layout.data_bytes, coded)
@@ -122,10 +228,10 @@ class SlotRing:
         self._stats.add_device(grown, layers=0)
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
-        files = self._tiers.get(FILE)
-        if files is not None and self._streams.immediate:  # a CPU slot the file tier's O_DIRECT reads fill in place
-            return files.new_slot(nbytes, self._device)
-        return self._streams.empty(nbytes)
+        """A slot buffer, made by a tier that wants to make the slots it reads into (`Tier.own_slots`: e.g.
+        page-aligned for the file tier's `O_DIRECT` reads on a CPU) if one is open, else by any open tier."""
+        tiers = list(self._tiers.values())
+        return next((t for t in tiers if t.own_slots), tiers[0]).new_slot(nbytes, self._device)
 
     def cancel(self) -> None:
         """At close: loads still queued are cancelled (running ones finish); the slots stay until the tiers close."""
@@ -135,16 +241,17 @@ class SlotRing:
         finally:
             self.current = None
 
-    def empty(self, give_back: Callable[[torch.Tensor], None]) -> None:
-        """Between requests: waits for every load, then drops every slot's buffers (`give_back` sees each first)."""
+    def empty(self) -> None:
+        """Between requests: waits for every load, then drops every slot's buffers, each given back to the tiers
+        first (`Tier.release_slot`: the one that made it frees it now)."""
         self.release_current()
         for slot in self.slots:
             slot.pending.settle()
         self._streams.drain()
         for slot in self.slots:
             for buffer in (slot.buffer, slot.coded):
-                if buffer is not None:
-                    give_back(buffer)
+                for tier in (list(self._tiers.values()) if buffer is not None else ()):
+                    tier.release_slot(buffer)
         self.slots = [Slot() for _ in self.slots]
 
     def drop(self) -> None:

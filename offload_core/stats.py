@@ -1,68 +1,38 @@
-"""Counters of one store and the host facts `auto` and the pin budget are decided from."""
+"""The counters of one store, and the plain dict `KVStore.stats()` turns them into."""
 
 from __future__ import annotations
 
-import math
-import numbers
-import os
+from dataclasses import dataclass
 from typing import Dict, Optional
 
-import psutil
-import torch
-
-from . import plan
-from .config import HostServices
+from .places import DEVICE, PLACES, MiB
 
 STATS_VERSION = 1
 
 
-def host_figure(name: str, value) -> Optional[int]:
-    """A byte count a `HostServices` callable returned, checked like an option: an int >= 0, or None (unknown).
-
-    A finite real number >= 0 (a float, a NumPy integer) is accepted and truncated to whole bytes; NaN, inf, a
-    negative number, a bool or anything else raises, naming the callable, the value and the fix, so a bad
-    figure never becomes a plan (NaN compared False against every budget and put every layer on the device).
-    """
-    if value is None:
-        return None
-    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
-        return int(value)
-    raise ValueError(f"HostServices: `{name}` returned {value!r} ({type(value).__name__}); it must return a byte "
-                     "count >= 0 (an int), or None when the figure is unknown. Fix that callable, or leave it None "
-                     "so the engine queries the figure itself.")
-
-
-def host_dir(value) -> str:
-    """The directory `HostServices.temp_dir` returned, checked before a file place is made in it."""
-    if isinstance(value, (str, os.PathLike)) and os.path.isdir(value):
-        return os.fspath(value)
-    raise ValueError(f"HostServices: `temp_dir` returned {value!r} ({type(value).__name__}); it must return the path of "
-                     "an existing directory. Fix that callable, or leave it None for the system temp dir.")
-
-
-def free_device_memory(device: torch.device, host: HostServices) -> Optional[int]:
-    if host.free_device_memory is not None:
-        return host_figure("free_device_memory", host.free_device_memory(device))
-    if device.type == "cuda":
-        # Memory torch's caching allocator holds but does not use is free for our tensors too; the driver's
-        # figure alone would push a cache that fits off the device after the first request.
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(torch.cuda.mem_get_info(device)[0]) + int(cached)
-    if device.type == "cpu":
-        return free_host_memory(host)
-    return None
-
-
-def free_host_memory(host: HostServices) -> Optional[int]:
-    if host.free_host_memory is not None:
-        return host_figure("free_host_memory", host.free_host_memory())
-    return int(psutil.virtual_memory().available)
+@dataclass(frozen=True)
+class Snapshot:
+    """What a store holds and decided right now, as plain values (`KVStore.stats` makes one per call)."""
+    tier: Optional[str]  # the mode in effect (None: `auto` before the first put)
+    reason: str
+    prefetch_depth: int
+    closed: bool
+    layers: int
+    plan: Dict[str, int]  # layers put, per place
+    stored: Dict[str, int]  # bytes the places keep (no device slots; file staging included)
+    info: Dict[str, object]  # what the tiers add (page-cache mode, file directory)
+    seconds: Dict[str, float]  # "transfer" and "wait"
+    pinned_fallback: Optional[str]  # why pinned memory fell back to pageable (None: it did not)
+    kv_error: Optional[Dict[str, object]]
+    dedup: Dict[str, object]
 
 
 class StoreStats:
-    """Running counters of one store; `as_dict` turns them into the plain dict of `KVStore.stats()`."""
+    """Running counters of one store (updated only through the methods here); `as_dict` words them."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str, device: str, requested: str, storage: str) -> None:
+        self._facts = {"name": name, "device": device, "requested": requested}
+        self.storage = storage
         self.device_bytes = 0
         self.peak_device_bytes = 0
         self.resident_layers = 0
@@ -82,48 +52,60 @@ class StoreStats:
         self.resident_layers = layers
         self.peak_resident_layers = max(self.peak_resident_layers, layers)
 
+    def parked(self, device_bytes: int, layers: int) -> None:
+        """The ring's slots are gone: what stays on the device is the resident layers."""
+        self.device_bytes = device_bytes
+        self.set_resident(layers)
+
+    def emptied(self) -> None:
+        """The store closed: nothing of it is on the device any more."""
+        self.device_bytes = 0
+        self.resident_layers = 0
+
     def count_transfer(self, nbytes: int) -> None:
         self.transfers += 1
         self.transfer_bytes += nbytes
 
-    def summary(self, streams) -> str:
-        return (f"{self.transfers} loads, {self.transfer_bytes / 2**20:.1f} MiB, peak {self.peak_resident_layers} "
-                f"layers / {self.peak_device_bytes / 2**20:.1f} MiB on the device, exposed wait "
-                f"{streams.seconds['wait'] * 1000:.1f} ms")
+    def count_get(self) -> None:
+        self.gets += 1
 
-    def as_dict(self, store, layers: int, tier_bytes: Dict[str, int], info: Dict[str, object], streams,
-                fallback: Optional[str]) -> dict:
-        places = {"device": 0, "host_pinned": 0, "host_pageable": 0, "file": 0}
-        for place, n in tier_bytes.items():
+    def count_miss(self) -> None:
+        self.misses += 1
+
+    def summary(self, seconds: Dict[str, float]) -> str:
+        return (f"{self.transfers} loads, {self.transfer_bytes / MiB:.1f} MiB, peak {self.peak_resident_layers} "
+                f"layers / {self.peak_device_bytes / MiB:.1f} MiB on the device, exposed wait "
+                f"{seconds['wait'] * 1000:.1f} ms")
+
+    def as_dict(self, now: Snapshot) -> dict:
+        places = dict.fromkeys(PLACES, 0)
+        for place, n in now.stored.items():
             places[place] += n
-        places["device"] = max(places["device"], self.device_bytes)
-        seconds = streams.seconds if streams is not None else {"transfer": 0.0, "wait": 0.0}
+        places[DEVICE] = max(places[DEVICE], self.device_bytes)
         return {
             "v": STATS_VERSION,
-            "name": store.name,
-            "device": str(store.device),
-            "requested": store.requested.value,
-            "tier": store.mode.value if store.mode is not None else None,
-            "reason": store.reason,
-            "layers": layers,
+            **self._facts,
+            "tier": now.tier,
+            "reason": now.reason,
+            "layers": now.layers,
             "bytes": places,
-            "stored_bytes": dict(tier_bytes),  # what the places keep (no device slots; file staging included)
+            "stored_bytes": dict(now.stored),
             "device_bytes": self.device_bytes,
             "peak_device_bytes": self.peak_device_bytes,
             "resident_layers": self.resident_layers,
             "peak_resident_layers": self.peak_resident_layers,
-            "prefetch_depth": getattr(store, "depth", None),
-            "transfers": {"count": self.transfers, "bytes": self.transfer_bytes, "seconds": seconds["transfer"]},
-            "exposed_wait_s": seconds["wait"],
+            "prefetch_depth": now.prefetch_depth,
+            "transfers": {"count": self.transfers, "bytes": self.transfer_bytes, "seconds": now.seconds["transfer"]},
+            "exposed_wait_s": now.seconds["wait"],
             "gets": self.gets,
             "misses": self.misses,
-            "page_cache": info.get("page_cache"),
-            "file_dir": info.get("file_dir"),
-            "pinned_fallback": fallback is not None,
-            "pinned_fallback_reason": fallback,
-            "closed": store.closed,
-            "plan": store.placement(),
-            "storage": store.config.storage,
-            "kv_error": store.kv_error(),
-            "dedup": store.dedup.as_dict(),  # identical batch rows kept once (dedup.py)
+            "page_cache": now.info.get("page_cache"),
+            "file_dir": now.info.get("file_dir"),
+            "pinned_fallback": now.pinned_fallback is not None,
+            "pinned_fallback_reason": now.pinned_fallback,
+            "closed": now.closed,
+            "plan": now.plan,
+            "storage": self.storage,
+            "kv_error": now.kv_error,
+            "dedup": now.dedup,  # identical batch rows kept once (dedup.py)
         }

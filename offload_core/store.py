@@ -23,31 +23,26 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Dict, Hashable, List, Optional, Set, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
 from .codec import Compact, codec_for
 from .config import HostServices, Mode, OffloadConfig
+from .dedup import RowDedup, served_layout
 from .devices import Streams, open_streams, unified_memory_reason
-from .guards import check_device, check_pair, engine_mode, one_consumer
+from .guards import check_device, check_pair, check_unmodified, engine_mode, one_consumer
+from .hostfacts import free_device_memory, free_host_memory, host_dir, same_pool_reason
 from .hostmem import HostAllocator, pin_room
-from .layout import LayerLayout, layout_for, typed_views, views
-from .plan import ASSUMED_LAYERS, DEVICE, FILE, HOST_PLACES, PLACES, Figures, Plan, make_plan, resolve
-from .policy import LayerOrder
-from .ring import Layers, Slot, SlotRing
-from .dedup import RowDedup, expand_into, served_layout
-from .stats import StoreStats, free_device_memory, free_host_memory, host_dir
+from .layout import LayerLayout, layout_for
+from .places import BUDGET_DEVICE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, budget_place
+from .plan import ASSUMED_LAYERS, Figures, Plan, make_plan, resolve
+from .ring import LayerOrder, Layers, SlotRing
+from .stats import Snapshot, StoreStats
 from .tiers import Tier, TierContext
-from .tiers.base import check_unmodified
 from .tiers.registry import PlaceOptions, close_tiers, open_tier
 
 log = logging.getLogger(__name__)
-
-
-def same_pool_reason(device: torch.device) -> Optional[str]:
-    """Why `auto` must not plan RAM places beside this device beyond unified memory: the device is the CPU."""
-    return "the device is the CPU" if device.type == "cpu" else None
 
 
 class KVStore:
@@ -69,14 +64,7 @@ class KVStore:
 
     def __init__(self, config: OffloadConfig, device, *, host: Optional[HostServices] = None,
                  expected_bytes: Optional[int] = None, name: str = ""):
-        if not isinstance(config, OffloadConfig):
-            raise TypeError(f"KVStore: `config` must be an OffloadConfig; got {type(config).__name__}.")
-        if config.mode is Mode.OFF:
-            raise ValueError("KVStore: mode 'off' means no KV cache, so there is nothing to store; "
-                             "recompute the prefix instead of creating a store.")
-        if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
-                                           or expected_bytes < 0):
-            raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
+        _check_args(config, expected_bytes)
         self.device = check_device(device)
         if config.storage == "fp8" and self.device.type == "mps":
             raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "
@@ -94,13 +82,9 @@ class KVStore:
         self.plan: Optional[Plan] = None
         self._streams: Optional[Streams] = None
         self._tiers: Dict[str, Tier] = {}
-        self._where: Dict[Hashable, str] = {}
-        self._resident: Set[Hashable] = set()  # layers kept on the device, served without a load
-        self._used = {DEVICE: 0, "host": 0}
+        self._layers = Layers(self._compact)
+        self._used = dict.fromkeys(BUDGET_PLACES, 0)  # bytes as kept, per budget place (the plan's caps)
         self._ring: Optional[SlotRing] = None
-        self._layouts: Dict[Hashable, LayerLayout] = {}
-        self._kept: Dict[Hashable, LayerLayout] = {}
-        self._rows: Dict[Hashable, int] = {}  # layers kept as one row: the rows they are served as
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
@@ -109,7 +93,7 @@ class KVStore:
         self.closed = False
         self.depth = 0
         self.sealed = False  # set by park(): complete and read-only
-        self._stats = StoreStats()
+        self._stats = StoreStats(name, str(self.device), self.requested.value, config.storage)
         if config.mode is not Mode.AUTO:
             mode, reason = resolve(config.mode, self._unified)
             if mode is not self.requested:
@@ -132,34 +116,31 @@ class KVStore:
                                         self._host.unpin)
         self._pageable = HostAllocator(False, 0)
         self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        layers = Layers(self._layouts, self._kept, self._where, self._resident, coded=self._codec is not None,
-                        exact=self._compact.exact)
-        self._ring = SlotRing(self.depth + 1, self._streams, self._tiers, layers, self._stats, self.device)
+        self._ring = SlotRing(self.depth, self._streams, self._tiers, self._layers, self._order, self._stats,
+                              self.device)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
 
     def _free_figures(self) -> Tuple[Optional[int], Optional[int]]:
-        """Free device and host memory for `auto` (validated, `stats.host_figure`); (None, None) otherwise."""
+        """Free device and host memory for `auto` (validated, `hostfacts.host_figure`); (None, None) otherwise."""
         if self.requested is not Mode.AUTO:
             return None, None
         return free_device_memory(self.device, self._host), free_host_memory(self._host)
 
     def _make_plan(self, layout: LayerLayout, kept: LayerLayout, free: Tuple[Optional[int], Optional[int]]) -> None:
-        exact = layout.k.nbytes + layout.v.nbytes
+        exact = layout.tensor_bytes
         counted = self._expected is not None and exact > 0  # a first layer of no tokens tells no layer count
-        layers = max(1, -(-self._expected // exact)) if counted else ASSUMED_LAYERS
         auto = self.requested is Mode.AUTO
         if auto:
             self._open_schedule(True)
-        budget = pin_room(self.config.pin_budget, host_pins=self._host.pin is not None)
         figures = Figures(
-            layers=layers, layer_bytes=kept.data_bytes, slots=self.depth + 1,
-            slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
-            device_budget=self.config.device_budget, host_budget=self.config.host_budget, pin_budget=budget,
-            free_device=free[0], free_host=free[1],
-            pinnable=self._allocator.pin, unified=self._unified or same_pool_reason(self.device),
-            counted=counted)
+            layers=max(1, -(-self._expected // exact)) if counted else ASSUMED_LAYERS, layer_bytes=kept.data_bytes,
+            slots=self.depth + 1, slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
+            device_budget=self.config.device_budget, host_budget=self.config.host_budget,
+            pin_budget=pin_room(self.config.pin_budget, host_pins=self._host.pin is not None),
+            free_device=free[0], free_host=free[1], pinnable=self._allocator.pin,
+            unified=self._unified or same_pool_reason(self.device), counted=counted)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
         if auto:
             self.mode = self.plan.mode
@@ -198,11 +179,10 @@ class KVStore:
             if self._streams is not None:
                 self._finalizer()  # background work finished, then buffers freed and files deleted
                 self._streams.resolve(block=True)
-                log.info("KV offload%s: closed; %s", self._tag, self._stats.summary(self._streams))
+                log.info("KV offload%s: closed; %s", self._tag, self._stats.summary(self._streams.seconds))
             if self._ring is not None:
                 self._ring.drop()  # device slots go last: no copy into them can be in flight any more
-            self._stats.device_bytes = 0
-            self._stats.resident_layers = 0
+            self._stats.emptied()
 
     def __enter__(self) -> "KVStore":
         return self
@@ -220,7 +200,7 @@ class KVStore:
             raise RuntimeError(f"KVStore.put: store {self.name!r} is sealed (kept for reuse, read-only); put into a "
                                "new store.")
         check_pair(key, k, v, self.device)
-        if key in self._layouts:
+        if key in self._layers.layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
         whole = (k, v)
@@ -233,19 +213,15 @@ class KVStore:
         kept = layout_for(k, v) if self._compact.coded(key) or rows > 1 else layout
         if self.plan is None:
             self._make_plan(layout, kept, free)
-        place = self.plan.place_of(len(self._layouts), kept.data_bytes, self._used[DEVICE], self._used["host"])
+        used = self._used
+        place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
         self._tier(place).store(key, k, v, kept)
-        self._layouts[key], self._kept[key], self._where[key] = layout, kept, place
-        if rows > 1:
-            self._rows[key] = rows
+        self._layers.add(key, layout, kept, place, rows)
         self._order.add(key)
+        used[budget_place(place)] += kept.data_bytes
         if place == DEVICE:
-            self._used[DEVICE] += kept.data_bytes
-            self._resident.add(key)
-            self._stats.add_device(kept.k.nbytes + kept.v.nbytes, layers=1)
+            self._stats.add_device(kept.tensor_bytes, layers=1)
         else:
-            if place in HOST_PLACES:
-                self._used["host"] += kept.data_bytes
             self._stats.count_transfer(kept.data_bytes)
 
     @engine_mode
@@ -257,45 +233,11 @@ class KVStore:
         (a write into them is detected at the next `get`, which raises). The next layers are prefetched meanwhile.
         """
         self._check_open("get")
-        layout = self._layouts.get(key)
-        if layout is None:
+        if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         self._check_served()
-        self._stats.gets += 1
-        expands = self._compact.coded(key) or key in self._rows  # decoded or broadcast into a slot at get
-        direct = key in self._resident and not expands
-        if direct and len(self._resident) == len(self._layouts):
-            return self._serve(key, *self._tiers[DEVICE].view(key))  # everything resident: nothing to schedule
-        ring = self._ring
-        if ring.current is not None and ring.current.key == key:
-            current = ring.current  # the same layer again: nothing moves
-            return self._serve(key, *typed_views(current.buffer, layout, current.typed))
-        self._order.observe(key)
-        ring.release_current()
-        # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
-        # the consumer is stalled; copies queued on the side stream are not.
-        with self._streams.timed("wait"):
-            ahead = self._order.ahead(key, self.depth, skip=self._resident)
-            if direct:
-                ring.prefetch(key, ahead)  # the next streamed layers' copies hide behind this layer's compute
-                return self._serve(key, *self._tiers[DEVICE].view(key))
-            slot = ring.holding(key)
-            if slot is None:  # not prefetched: the consumer waits for the whole load
-                if key not in self._resident:
-                    self._stats.misses += 1
-                slot = ring.load(key, ring.spare(keep=ahead))
-            ring.prefetch(key, ahead)
-            try:
-                slot.pending.wait(self._streams.consumer())
-            except BaseException:
-                slot.key = None  # what the slot holds is unknown now: never serve it
-                raise
-        if expands:
-            self._expand(key, slot)
-        ring.current = slot
-        return self._serve(key, *typed_views(slot.buffer, layout, slot.typed))
-
-    def _serve(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self._stats.count_get()
+        k, v = self._ring.serve(key)
         self._served = (key, k, v, k._version + v._version)
         return k, v
 
@@ -306,22 +248,6 @@ class KVStore:
         if served is not None and served[1]._version + served[2]._version != served[3]:
             self._ring.release_current()  # an offloaded tier reloads the layer clean next time
             check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
-
-    def _expand(self, key: Hashable, slot: Slot) -> None:
-        # On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded`
-        # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
-        # broadcast and the kernels reading its output.
-        try:
-            coded = self._compact.coded(key)
-            if key in self._resident:
-                source = self._tiers[DEVICE].view(key)
-            else:
-                source = views(slot.coded if coded else slot.buffer, self._kept[key])
-            expand_into(self._streams, self._codec if coded else None, source, slot.buffer, self._layouts[key],
-                        self._rows.get(key, 1))
-        except BaseException:
-            slot.key = None
-            raise
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -352,7 +278,7 @@ class KVStore:
         """Between requests (prefix reuse): seal the store and free its ring's device slots; the data stays.
 
         Outstanding loads finish first and the consumer's stream is synchronized, so no kernel still reads a
-        slot when it is dropped. Afterwards `put` is refused and `get` works as before (slots are made again on
+        slot when it is dropped. Afterwards `put` is refused and `get` works as it did (slots are made again on
         demand), from whichever thread the next request runs on. Idempotent; a no-op on a closed store. The
         first park waits for the file writes and raises a failed one (`KVWriteError`), leaving the store as it
         was.
@@ -364,12 +290,10 @@ class KVStore:
                 for tier in list(self._tiers.values()):
                     tier.seal()  # every layer in place (on disk, and counted there), the write staging freed
             self.sealed = True
-            files = self._tiers.get(FILE)
             self._served = None
-            # Host slots the file tier made go back to the OS; device slots to the caching allocator.
-            self._ring.empty(files.release_slot if files is not None else lambda buffer: None)
-            self._stats.device_bytes = sum(self._kept[k].k.nbytes + self._kept[k].v.nbytes for k in self._resident)
-            self._stats.set_resident(len(self._resident))
+            self._ring.empty()  # host slots a tier made go back to the OS, device slots to the caching allocator
+            resident = self._layers.resident
+            self._stats.parked(sum(self._layers.kept[k].tensor_bytes for k in resident), len(resident))
             with self._owner_lock:
                 self._owner = None  # the next request's consumer owns it, one request at a time
 
@@ -381,7 +305,7 @@ class KVStore:
         has nothing to add; then what the tiers noted."""
         said = self._granted
         if self.plan is not None:
-            nbytes = sum(kept.data_bytes for kept in list(self._kept.values()))
+            nbytes = sum(kept.data_bytes for kept in list(self._layers.kept.values()))
             words = self.plan.describe(self.placement(), nbytes)
             said = words if words != "requested" else said
         return "; ".join([said, *self._notes])
@@ -389,7 +313,7 @@ class KVStore:
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place (what `stats()["plan"]` reports)."""
         out = dict.fromkeys(PLACES, 0)
-        for place in list(self._where.values()):  # a copy: stats() may run on another thread during puts
+        for place in list(self._layers.where.values()):  # a copy: stats() may run on another thread during puts
             out[place] += 1
         return out
 
@@ -399,17 +323,30 @@ class KVStore:
 
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
-        tier_bytes: Dict[str, int] = {}
+        stored: Dict[str, int] = {}
         info: Dict[str, object] = {}
         for tier in list(self._tiers.values()):
             if not self.closed:
                 for place, n in tier.nbytes().items():
-                    tier_bytes[place] = tier_bytes.get(place, 0) + n
+                    stored[place] = stored.get(place, 0) + n
             info.update(tier.info())
         opened = self._streams is not None
         if opened:
             self._streams.resolve(block=False)
-        return self._stats.as_dict(
-            self, len(self._layouts), tier_bytes, info, self._streams if opened else None,
-            self._allocator.fallback_reason if opened else None,
-        )
+        return self._stats.as_dict(Snapshot(
+            tier=self.mode.value if self.mode is not None else None, reason=self.reason,
+            prefetch_depth=self.depth, closed=self.closed, layers=len(self._layers.layouts), plan=self.placement(),
+            stored=stored, info=info, seconds=dict(self._streams.seconds) if opened else {"transfer": 0.0, "wait": 0.0},
+            pinned_fallback=self._allocator.fallback_reason if opened else None, kv_error=self.kv_error(),
+            dedup=self.dedup.as_dict()))
+
+
+def _check_args(config, expected_bytes) -> None:
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"KVStore: `config` must be an OffloadConfig; got {type(config).__name__}.")
+    if config.mode is Mode.OFF:
+        raise ValueError("KVStore: mode 'off' means no KV cache, so there is nothing to store; "
+                         "recompute the prefix instead of creating a store.")
+    if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
+                                       or expected_bytes < 0):
+        raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")

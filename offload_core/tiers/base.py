@@ -1,11 +1,13 @@
 """The protocol every storage tier implements, and what a tier is given to do its work.
 
 A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store.py`) decides
-*what* to load and *when*. Capabilities are flags (`on_device`), not `isinstance` checks.
+*what* to load and *when*, and uses every tier through `Tier` alone. Capabilities are flags (`own_slots`), not
+`isinstance` checks.
 """
 
 from __future__ import annotations
 
+import abc
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -73,15 +75,6 @@ def _raised_by(future: Optional[Future], exc: BaseException) -> bool:
     return future is not None and future.done() and not future.cancelled() and future.exception(0) is exc
 
 
-def check_unmodified(key: Hashable, version: int, served: int) -> None:
-    """Refuses to serve a layer whose tensors were written in place since the store handed them out."""
-    if version != served:
-        raise RuntimeError(
-            f"KVStore.get: the K/V of layer {key!r} returned by an earlier get were modified in place; the store "
-            "serves its own buffers, which consumers must only read. Copy them first (e.g. torch.cat, .clone()) "
-            "before changing them. This layer is not served again as it is; recompute the prefix.")
-
-
 def _result(future: Future) -> Fence:
     try:
         return future.result(timeout=TRANSFER_TIMEOUT_S)
@@ -92,39 +85,41 @@ def _result(future: Future) -> Fence:
                            "its background read and copy); the disk or device is not answering.") from None
 
 
-class Tier:
-    """Where a store keeps its layers between uses.
+class Tier(abc.ABC):
+    """Where a store keeps its layers between uses; the store and its ring use a tier through these methods only.
 
     store(key, k, v, layout): called once per layer; takes a private copy of `k` and `v` (which live on the
         consuming device) before returning or, for asynchronous copies, before any later work on the current
         stream can change them.
     load(key, slot, release) -> Pending: copies the layer into the device buffer `slot` (uint8, laid out as
         `layout`), not before `release` (the consumer finished with what the slot held before).
-    view(key) -> (k, v): only for `on_device` tiers, which need no slots.
+    view(key) -> (k, v): the layer itself, for a tier that keeps it on the consuming device (no slot needed).
+    new_slot / release_slot: make a ring slot / take one back (the ring offers every slot to every tier).
     flush(): waits until everything stored is in place (the file tiers write in the background).
-    nbytes() -> bytes held, by place: {"device", "host_pinned", "host_pageable", "file"}.
+    nbytes() -> bytes held, by place (`places.PLACES`).
     close(): waits for or cancels its own background work, then frees everything. Idempotent.
     """
 
-    name = "base"
-    on_device = False
     note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
+    own_slots = False  # the ring has this tier make its slots (it reads into slots it made, without staging)
 
+    @abc.abstractmethod
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
-        raise NotImplementedError
+        """Keeps a private copy of layer `key`."""
 
+    @abc.abstractmethod
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
-        raise NotImplementedError
+        """Queues the copy of layer `key` into `slot`, after `release`."""
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} keeps no layer on the device; load layer {key!r} into a slot.")
 
     def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A flat uint8 buffer of `nbytes` on `device` for the store's ring (a tier may want it aligned)."""
+        """A flat uint8 buffer of `nbytes` on `device` for the store's ring."""
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def release_slot(self, slot: torch.Tensor) -> None:
-        """The store drops a ring slot this tier made with `new_slot` (nothing to do for a plain device buffer)."""
+        """The ring drops `slot`: a tier that made it with `new_slot` frees it now; others have nothing to do."""
 
     def flush(self) -> None:
         """Waits (bounded) until every layer stored so far is in place; raises the first error storing one."""
@@ -133,11 +128,13 @@ class Tier:
         """No more layers come: `flush`, then free what only storing needed (a file tier's write staging)."""
         self.flush()
 
+    @abc.abstractmethod
     def nbytes(self) -> Dict[str, int]:
-        raise NotImplementedError
+        """Bytes held, by place (every place this tier keeps bytes in, staging included)."""
 
     def info(self) -> Dict[str, object]:
         return {}
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Waits for or cancels background work, then frees everything. Idempotent."""

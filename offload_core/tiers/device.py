@@ -6,16 +6,17 @@ from typing import Dict, Hashable, Tuple
 
 import torch
 
-from ..layout import LayerLayout
-from .base import Tier, TierContext, check_unmodified
+from ..devices import Fence
+from ..guards import check_unmodified
+from ..layout import LayerLayout, views
+from ..places import DEVICE
+from .base import Pending, Tier, TierContext
 
 
 class DeviceTier(Tier):
-    name = "device"
-    on_device = True
-
     def __init__(self, ctx: TierContext):
-        self._layers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._streams = ctx.streams
+        self._layers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, int, LayerLayout]] = {}
         self._bytes = 0
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
@@ -23,18 +24,27 @@ class DeviceTier(Tier):
         # in-place change by the caller reach the cache.
         k, v = (k.detach().clone(memory_format=torch.contiguous_format),
                 v.detach().clone(memory_format=torch.contiguous_format))
-        self._layers[key] = (k, v, k._version + v._version)
-        self._bytes += layout.k.nbytes + layout.v.nbytes
+        self._layers[key] = (k, v, k._version + v._version, layout)
+        self._bytes += layout.tensor_bytes
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         # These are the cache itself, not a copy: a consumer that wrote into them would change every later
         # step. The version counters say whether anyone did; the other tiers check their slots the same way.
-        k, v, version = self._layers[key]
+        k, v, version, _ = self._layers[key]
         check_unmodified(key, k._version + v._version, version)
         return k, v
 
+    def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
+        # On the consumer's stream, after `release`: the copy never overwrites what its kernels still read.
+        k, v = self.view(key)
+        release.make_wait(self._streams.consumer())
+        dst_k, dst_v = views(slot, self._layers[key][3])
+        self._streams.copy(dst_k, k)
+        self._streams.copy(dst_v, v)
+        return Pending(self._streams.record())
+
     def nbytes(self) -> Dict[str, int]:
-        return {"device": self._bytes}
+        return {DEVICE: self._bytes}
 
     def close(self) -> None:
         self._layers.clear()

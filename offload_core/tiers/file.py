@@ -24,6 +24,7 @@ import torch
 from ..devices import Fence
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout
+from ..places import FILE, PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
 from .fileio import checksum_module, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
@@ -44,7 +45,7 @@ HASH_THREADS = 2
 
 
 class FileTier(Tier):
-    name = "file"
+    own_slots = True  # on a CPU its reads fill page-aligned slots it made in place (`new_slot`)
 
     def __init__(self, ctx: TierContext, parent_dir: Optional[str], bypass: bool, asynchronous: bool):
         checksum_module()  # a missing checksum package fails before anything is made
@@ -83,8 +84,9 @@ class FileTier(Tier):
 
     # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """On a CPU, a page-aligned slot, which `O_DIRECT` reads fill directly: no staging copy, no staging RAM."""
-        if device.type != "cpu":
+        """On a CPU (no streams to order), a page-aligned slot, which `O_DIRECT` reads fill directly: no staging
+        copy, no staging RAM."""
+        if device.type != "cpu" or not self._ctx.streams.immediate:
             return super().new_slot(nbytes, device)
         buf = HostBuffer(nbytes)
         self._host_slots[buf.tensor.data_ptr()] = buf  # kept until close: a stuck read may still fill it
@@ -92,7 +94,7 @@ class FileTier(Tier):
 
     def release_slot(self, slot: torch.Tensor) -> None:
         """Frees a host slot made by `new_slot` now (the store parks between requests), unless a read may still
-        fill it: one stuck in the kernel keeps its slot until close, as before."""
+        fill it: one stuck in the kernel keeps its slot until close."""
         address = slot.data_ptr()
         filling = self._reader.filling.get(address)
         if filling is not None and not filling.done():
@@ -137,9 +139,9 @@ class FileTier(Tier):
     def nbytes(self) -> Dict[str, int]:
         staging = self._reader.staging.buffers() + self._writer.staging.buffers()
         return {
-            "file": sum(e.total for e in list(self._files.values()) if e.written),  # snapshot (any thread); written only
-            "host_pinned": sum(b.nbytes for b in staging if b.pinned),
-            "host_pageable": sum(b.nbytes for b in staging if not b.pinned),
+            FILE: sum(e.total for e in list(self._files.values()) if e.written),  # snapshot (any thread); written only
+            PINNED: sum(b.nbytes for b in staging if b.pinned),
+            PAGEABLE: sum(b.nbytes for b in staging if not b.pinned),
         }
 
     def info(self) -> Dict[str, object]:

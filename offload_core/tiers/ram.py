@@ -15,12 +15,11 @@ import torch
 from ..devices import Fence, Streams
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout, views
+from ..places import PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
 
 
 class RamTier(Tier):
-    name = "host"
-
     def __init__(self, ctx: TierContext):
         self._ctx = ctx
         self._layers: Dict[Hashable, Tuple[HostBuffer, LayerLayout]] = {}
@@ -69,7 +68,7 @@ class RamTier(Tier):
         buffers = [b for b, _ in list(self._layers.values())]  # one atomic snapshot: stats() may run on any thread
         pinned = sum(b.nbytes for b in buffers if b.pinned)
         pageable = sum(b.nbytes for b in buffers if not b.pinned)
-        return {"host_pinned": pinned, "host_pageable": pageable}
+        return {PINNED: pinned, PAGEABLE: pageable}
 
     def close(self) -> None:
         # Every copy touching our buffers is on the side stream; the store synchronized it before calling us.

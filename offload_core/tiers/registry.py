@@ -13,7 +13,7 @@ from typing import Callable, Dict, Optional
 
 from ..devices import Streams
 from ..hostmem import HostAllocator
-from ..plan import DEVICE, FILE, PAGEABLE, PINNED
+from ..places import DEVICE, FILE, PAGEABLE, PINNED
 from .base import Tier, TierContext
 from .device import DeviceTier
 from .file import FileTier

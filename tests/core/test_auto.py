@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from offload_core import HostServices, KVStore, Mode, OffloadConfig
-from offload_core.policy import ASSUMED_LAYERS, GiB, RESERVE_BYTES, choose_tier
+from offload_core.places import GiB
+from offload_core.plan import ASSUMED_LAYERS, RESERVE_BYTES
 
 
 def run_auto(host, expected_bytes=None):
@@ -40,21 +41,6 @@ def test_auto_estimates_the_cache_from_the_first_layer_when_not_told():
     assert fits["tier"] == "gpu" and short["tier"] == "file_async"
 
 
-@pytest.mark.parametrize("free_device, free_host, unified, expected", [
-    (40 * GiB, 64 * GiB, None, Mode.GPU),
-    (2 * GiB, 64 * GiB, None, Mode.RAM_ASYNC),
-    (2 * GiB, 3 * GiB, None, Mode.FILE_ASYNC),
-    (None, None, None, Mode.FILE_ASYNC),  # nothing known: the tier that needs no memory
-])
-def test_choose_tier_table(free_device, free_host, unified, expected):
-    assert choose_tier(4 * GiB, free_device, free_host, unified)[0] is expected
-
-
-def test_partial_pin_budget_is_reported():
-    mode, why = choose_tier(8 * GiB, 2 * GiB, 64 * GiB, None, pin_budget=4 * GiB)
-    assert mode is Mode.RAM_ASYNC and "4.00 GiB of it pinned" in why
-
-
 BAD_FIGURES = [float("nan"), float("inf"), -1, "8 GiB", True, [1]]
 
 
@@ -77,7 +63,7 @@ def test_a_bad_free_memory_figure_is_refused_at_the_first_put(field, value, monk
 
 @pytest.mark.parametrize("value, expected", [(None, None), (0, 0), (3.9, 3), (2 * GiB, 2 * GiB)])
 def test_free_memory_figures_accept_byte_counts(value, expected):
-    from offload_core.stats import free_host_memory
+    from offload_core.hostfacts import free_host_memory
 
     assert free_host_memory(HostServices(free_host_memory=lambda: value)) == expected
 

@@ -62,7 +62,7 @@ def test_offloading_keeps_at_most_depth_plus_one_snapshots_on_the_device(make_si
     with KVStore(OffloadConfig(mode="ram_async", prefetch_depth=depth), "cpu") as store:
         for key, (k, v) in layers.items():
             store.put(key, k, v)
-        one = store._layouts[0].data_bytes
+        one = store._layers.layouts[0].data_bytes
         assert sim.peak_held_bytes <= (depth + 2) * one  # the new snapshot + depth + 1 in flight
         assert_exact(read_back(sim, store, range(12)), layers)
 
@@ -115,7 +115,7 @@ def test_a_new_slot_waits_for_the_kernels_still_using_its_memory(make_sim, mode,
         for key, (k, v) in layers.items():
             store.put(key, k, v)
         sim.synchronize()
-        scratch, seen = sim.empty(store._layouts[0].data_bytes), []
+        scratch, seen = sim.empty(store._layers.layouts[0].data_bytes), []
         sim.launch(lambda t: t.fill_(7), scratch)  # the consumer's own work on its own buffer...
         sim.launch(lambda t: seen.append(t.clone()), scratch)
         del scratch  # ...which it frees at once, as PyTorch code does, its kernels still queued

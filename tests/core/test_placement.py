@@ -5,7 +5,8 @@ import torch
 
 import offload_core.store as store_module
 from offload_core import HostServices, KVStore, OffloadConfig
-from offload_core.plan import RESERVE_BYTES, GiB
+from offload_core.places import GiB
+from offload_core.plan import RESERVE_BYTES
 from offload_core.tiers import file, fileio
 
 SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout

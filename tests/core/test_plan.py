@@ -3,8 +3,8 @@
 import pytest
 
 from offload_core.config import Mode
-from offload_core.plan import (DEVICE, FILE, PAGEABLE, PINNED, RESERVE_BYTES, Figures, GiB, MiB, make_plan,
-                               resident_indices)
+from offload_core.places import DEVICE, FILE, PAGEABLE, PINNED, GiB, MiB
+from offload_core.plan import RESERVE_BYTES, Figures, make_plan, resident_indices
 
 LAYER = 64 * MiB
 
@@ -41,6 +41,16 @@ def test_auto_tight_both_spills_to_files():
     counts = plan.counts()
     assert counts[DEVICE] == 4 and counts[PINNED] + counts[PAGEABLE] == 10 and counts[FILE] == 18
     assert plan.mode is Mode.FILE_ASYNC and "18 in files" in plan.reason
+
+
+@pytest.mark.parametrize("free_device, free_host, expected", [
+    (64 * GiB, 64 * GiB, Mode.GPU),
+    (free(10), 64 * GiB, Mode.RAM_ASYNC),
+    (free(6), free(10), Mode.FILE_ASYNC),
+    (None, None, Mode.FILE_ASYNC),  # nothing known: the place that needs no memory
+])
+def test_auto_runs_as_the_mode_of_its_slowest_place(free_device, free_host, expected):
+    assert make_plan(Mode.AUTO, figures(free_device=free_device, free_host=free_host)).mode is expected
 
 
 def test_unified_memory_never_plans_a_ram_place():

@@ -7,7 +7,8 @@ import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
 from offload_core.devices import unified_memory_reason
-from offload_core.policy import GiB, choose_tier, resolve
+from offload_core.places import FILE, HOST_PLACES, GiB
+from offload_core.plan import Figures, make_plan, resolve
 
 
 def fake_cuda_properties(integrated):
@@ -41,9 +42,14 @@ def test_file_tiers_stay_available_on_unified_memory():
 
 def test_auto_never_picks_ram_on_unified_memory():
     reason = unified_memory_reason(torch.device("cuda", 0), fake_cuda_properties(True))
-    mode, why = choose_tier(4 * GiB, free_device=1 * GiB, free_host=64 * GiB, unified=reason)
-    assert mode is Mode.FILE_ASYNC and "unified memory" in why
-    assert choose_tier(4 * GiB, 1 * GiB, 64 * GiB, unified=None)[0] is Mode.RAM_ASYNC
-    assert choose_tier(1 * GiB, 40 * GiB, 64 * GiB, unified=reason)[0] is Mode.GPU
+
+    def plan(free_device, unified):
+        return make_plan(Mode.AUTO, Figures(layers=32, layer_bytes=GiB // 8, slot_bytes=GiB // 8, slots=2,
+                                            free_device=free_device, free_host=64 * GiB, unified=unified))
+    tight = plan(1 * GiB, reason)
+    assert tight.mode is Mode.FILE_ASYNC and "unified memory" in tight.reason
+    assert FILE in tight.places and not set(HOST_PLACES) & set(tight.places)
+    assert plan(1 * GiB, None).mode is Mode.RAM_ASYNC
+    assert plan(40 * GiB, reason).mode is Mode.GPU
     assert resolve(Mode.RAM_SYNC, reason)[0] is Mode.GPU
     assert resolve(Mode.RAM_SYNC, None) == (Mode.RAM_SYNC, "requested")
