@@ -20,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from .layout import LayerLayout, layout_for, views
+from .layout import LayerLayout, layout_for
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integers, by element size
 
@@ -55,7 +55,7 @@ class RowDedup:
     def split(self, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
         """(k, v, 1) as they are, or (row 0 of k, row 0 of v, B) when all B rows of both are identical.
 
-        The rows returned are views of the caller's tensors: the tier takes its private copy as before."""
+        The rows returned are views of the caller's tensors: the tier takes its private copy of them."""
         rows = batch_rows(k, v) if self.enabled else 1
         put = k.shape[0] if k.dim() else 1
         same = rows > 1 and self._check(k, v)
@@ -87,30 +87,7 @@ class RowDedup:
 def served_layout(k: torch.Tensor, v: torch.Tensor, row_k: torch.Tensor, row_v: torch.Tensor) -> LayerLayout:
     """The slot layout of a layer kept as one row (`row_k`, `row_v`), served as `k`, `v`: as `layout_for(k, v)`,
     but with V starting after the row's bytes as kept, so a tier copies the row into the slot's start (K's row
-    lands where K's row 0 goes) and `expand_into` broadcasts it there without a staging buffer."""
+    lands where K's row 0 goes) and the ring (`SlotRing._expand`) broadcasts it there without a staging buffer."""
     row = layout_for(row_k, row_v)
     return layout_for(k, v, v_from=row.v.offset + row.v.nbytes)
 
-
-def expand_into(streams, codec, source: Tuple[torch.Tensor, torch.Tensor], slot: torch.Tensor,
-                layout: LayerLayout, rows: int) -> None:
-    """Writes the layer as served (`layout`, B = `rows`) into the ring slot `slot` from `source`, the layer as
-    kept: decoded by `codec` when there is one, broadcast from one row when `rows` > 1.
-
-    `source` may lie in `slot` itself (a streamed row without a codec, laid out by `served_layout`): then V's
-    row sits inside K's rows 1.., and K's row where row 0 goes. So V goes first, and K's row is broadcast to rows
-    1.. only. Queued on the current stream, which the caller has ordered after the copy that filled `source`;
-    the slot's next load waits for the release fence recorded after the consumer's kernels that read it."""
-    out_k, out_v = views(slot, layout)
-    for src, out in ((source[1], out_v), (source[0], out_k)):
-        if codec is not None:
-            first = out[:1] if rows > 1 else out
-            codec.decode(src, first)
-        elif src.data_ptr() == out.data_ptr():  # K's row, already in place as row 0
-            first = out[:1]
-        else:
-            streams.copy(out, src.expand_as(out))
-            continue
-        if rows > 1:
-            rest = out[1:]
-            streams.copy(rest, first.expand_as(rest))

@@ -1,11 +1,12 @@
 """The store's guards against misuse: engine calls outside inference mode, one consumer thread, valid devices
-and layer pairs, served tensors left unmodified. Each raises before anything is allocated, naming the value, the rule and the fix.
+and layer pairs. Each raises before anything is allocated, naming the value, the rule and the fix.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Hashable
+import threading
+from typing import Hashable, Optional
 
 import torch
 
@@ -28,10 +29,33 @@ def one_consumer(method):
     """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        self._check_consumer(method.__name__)
+        self._consumer.claim(method.__name__, self.name)
         with self._busy:
             return method(self, *args, **kwargs)
     return wrapper
+
+
+class Consumer:
+    """The one thread a store serves: the first to put or get, until `release` (the next request's)."""
+
+    def __init__(self) -> None:
+        self._owner: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def claim(self, what: str, store: str) -> None:
+        me = threading.current_thread()
+        with self._lock:
+            if self._owner is None:
+                self._owner = me
+        if self._owner is not me:
+            raise RuntimeError(
+                f"KVStore.{what}: store {store!r} serves one consumer, thread {self._owner.name!r} (the first "
+                f"to put or get); called from thread {me.name!r}. A get's tensors are only valid until the next "
+                "get, so two threads would read each other's layers. Create one store per consumer thread.")
+
+    def release(self) -> None:
+        with self._lock:
+            self._owner = None
 
 
 def check_device(device) -> torch.device:
@@ -67,11 +91,3 @@ def check_pair(key: Hashable, k, v, device: torch.device) -> None:
             raise ValueError(f"KVStore.put: `{name}` is on {t.device}, but this store serves {device}. "
                              f"Create the store with device={str(t.device)!r}, or move the tensor first.")
 
-
-def check_unmodified(key: Hashable, version: int, served: int) -> None:
-    """Refuses to serve a layer whose tensors were written in place since the store handed them out."""
-    if version != served:
-        raise RuntimeError(
-            f"KVStore.get: the K/V of layer {key!r} returned by an earlier get were modified in place; the store "
-            "serves its own buffers, which consumers must only read. Copy them first (e.g. torch.cat, .clone()) "
-            "before changing them. This layer is not served again as it is; recompute the prefix.")

@@ -5,23 +5,23 @@ fence of the last consumer kernels that read it. A load into a slot waits for th
 overwrites data still being read; a slot whose load failed holds no key and is never served. When the consumer
 asks for layer i (`SlotRing.serve`), the slot of the layer it used before is released, layer i is waited for,
 and the next `depth` streamed layers in the learned order are loaded into free slots (resident layers need no
-load and are skipped, so a copy hides behind every resident layer before its use).
+load and are skipped, so a copy hides behind every resident layer before its use). What it serves is the
+store's own memory: a consumer's write into it is caught at the next `serve`, which raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Dict, Hashable, Iterable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import Compact
-from .dedup import expand_into
 from .devices import DONE, Streams
-from .layout import LayerLayout, typed_views, views
+from .layers import Layers
+from .layout import typed_views, views
 from .places import DEVICE
 from .stats import StoreStats
 from .tiers import Pending, Tier
+from .tiers.device import check_unmodified
 
 
 class Slot:
@@ -34,28 +34,6 @@ class Slot:
         self.key: Optional[Hashable] = None
         self.pending = Pending()
         self.release = DONE
-
-
-@dataclass
-class Layers:
-    """What the store knows of its layers, shared with the ring (read-only here)."""
-    compact: Compact  # the codec (None: exact storage) and the layers it keeps exact (NaN or inf)
-    layouts: Dict[Hashable, LayerLayout] = field(default_factory=dict)  # as put (the slot's dtype)
-    kept: Dict[Hashable, LayerLayout] = field(default_factory=dict)  # as stored (encoded, with a codec)
-    where: Dict[Hashable, str] = field(default_factory=dict)  # the place of each layer
-    resident: Set[Hashable] = field(default_factory=set)  # kept on the device, served without a load
-    rows: Dict[Hashable, int] = field(default_factory=dict)  # layers kept as one row: the rows they are served as
-
-    def add(self, key: Hashable, layout: LayerLayout, kept: LayerLayout, place: str, rows: int) -> None:
-        self.layouts[key], self.kept[key], self.where[key] = layout, kept, place
-        if rows > 1:
-            self.rows[key] = rows
-        if place == DEVICE:
-            self.resident.add(key)
-
-    def expands(self, key: Hashable) -> bool:
-        """Layer `key` is decoded or broadcast into a slot at `get` (so even a resident one needs a slot)."""
-        return self.compact.coded(key) or key in self.rows
 
 
 class LayerOrder:
@@ -105,20 +83,34 @@ class SlotRing:
         self._depth, self._order = depth, order
         self.slots: List[Slot] = [Slot() for _ in range(depth + 1)]  # buffers come at the first load
         self.current: Optional[Slot] = None  # the slot the consumer was last served from
+        self._served: Optional[tuple] = None  # (key, k, v, version) of the last serve: read-only to the consumer
 
     def serve(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, as put: the resident tensors, or views of the slot holding it."""
+        self._check_served()
         layers = self._layers
-        if key in layers.resident and not layers.expands(key):
+        expands = layers.compact.coded(key) or key in layers.rows  # decoded or broadcast into a slot
+        if key in layers.resident and not expands:
             if len(layers.resident) < len(layers.layouts):  # else nothing streams: nothing to schedule
                 self._schedule(key, direct=True)
-            return self._tiers[DEVICE].view(key)
-        if self.current is None or self.current.key != key:  # else the same layer again: nothing moves
-            slot = self._schedule(key)
-            if layers.expands(key):
-                self._expand(key, slot)
-            self.current = slot
-        return typed_views(self.current.buffer, layers.layouts[key], self.current.typed)
+            k, v = self._tiers[DEVICE].view(key)
+        else:
+            if self.current is None or self.current.key != key:  # else the same layer again: nothing moves
+                slot = self._schedule(key)
+                if expands:
+                    self._expand(key, slot)
+                self.current = slot
+            k, v = typed_views(self.current.buffer, layers.layouts[key], self.current.typed)
+        self._served = (key, k, v, k._version + v._version)
+        return k, v
+
+    def _check_served(self) -> None:
+        # Views of one slot share its version counter, and the device tier's tensors have one too, so an
+        # in-place write by the consumer is seen here the same way on every tier.
+        served, self._served = self._served, None
+        if served is not None and served[1]._version + served[2]._version != served[3]:
+            self.release_current()  # an offloaded tier reloads the layer clean next time
+            check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
 
     def _schedule(self, key: Hashable, direct: bool = False) -> Optional[Slot]:
         """Releases the slot served before, waits for layer `key` (unless `direct`: resident, served as kept) and
@@ -144,18 +136,32 @@ class SlotRing:
         return slot
 
     def _expand(self, key: Hashable, slot: Slot) -> None:
-        # On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded`
-        # staging with a codec); the slot's next load waits for the release fence recorded after this decode /
-        # broadcast and the kernels reading its output.
+        """Writes layer `key` as served into `slot` from the layer as kept: decoded by the codec when there is one,
+        broadcast from one row when it is kept as one (`dedup.served_layout`).
+
+        On the consumer's stream, which `pending.wait` ordered after the copy into the slot (its `coded` staging
+        with a codec); the slot's next load waits for the release fence recorded after this and the kernels
+        reading its output. A streamed row without a codec lies in the slot itself: V's row inside K's rows 1..,
+        K's row where row 0 goes; so V goes first, and K's row is broadcast to rows 1.. only."""
         layers = self._layers
+        codec = layers.compact.codec if layers.compact.coded(key) else None
+        rows = layers.rows.get(key, 1)
         try:
-            coded = layers.compact.coded(key)
             if key in layers.resident:
                 source = self._tiers[DEVICE].view(key)
             else:
-                source = views(slot.coded if coded else slot.buffer, layers.kept[key])
-            expand_into(self._streams, layers.compact.codec if coded else None, source, slot.buffer,
-                        layers.layouts[key], layers.rows.get(key, 1))
+                source = views(slot.coded if codec is not None else slot.buffer, layers.kept[key])
+            for src, out in zip(reversed(source), reversed(views(slot.buffer, layers.layouts[key]))):
+                if codec is not None:
+                    first = out[:1] if rows > 1 else out
+                    codec.decode(src, first)
+                elif src.data_ptr() == out.data_ptr():  # K's row, already in place as row 0
+                    first = out[:1]
+                else:
+                    self._streams.copy(out, src.expand_as(out))
+                    continue
+                if rows > 1:
+                    self._streams.copy(out[1:], first.expand_as(out[1:]))
         except BaseException:
             slot.key = None
             raise
@@ -235,6 +241,7 @@ class SlotRing:
 
     def cancel(self) -> None:
         """At close: loads still queued are cancelled (running ones finish); the slots stay until the tiers close."""
+        self._served = None
         try:
             for slot in self.slots:
                 slot.pending.cancel()
@@ -244,6 +251,7 @@ class SlotRing:
     def empty(self) -> None:
         """Between requests: waits for every load, then drops every slot's buffers, each given back to the tiers
         first (`Tier.release_slot`: the one that made it frees it now)."""
+        self._served = None
         self.release_current()
         for slot in self.slots:
             slot.pending.settle()

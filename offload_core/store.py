@@ -1,46 +1,41 @@
 """`KVStore`: one cached prefix, put once per layer, got many times, then closed.
 
-The store holds the schedule; a plan (`plan.py`) says where each layer is kept and the tiers of those places
-(`tiers/registry.py`) know how to move bytes. Resident layers (place `device`) are served as they are. Every
-other layer comes back through a ring of `depth + 1` device slots, whatever place it comes from: when the
-consumer asks for layer i, the slot of the layer it used before is released (an event on the consumer's
-stream marks when the kernels that read it are done), layer i is waited for, and the next `depth` streamed
-layers in the learned order are loaded into free slots (resident layers need no load and are skipped, so a
-copy hides behind every resident layer before its use). So at most the resident layers plus `depth + 1` are
-ever on the device, and a slot is overwritten only after the work that read it has finished. Without CUDA
-the same code runs with every fence already complete.
+The store keeps the contract (`put`, `get`, `park`, `close`, `stats`); a plan (`plan.py`) says where each
+layer is kept, the tiers of those places (`tiers/`) move the bytes, and the ring (`ring.py`) serves every layer
+that is not resident through `depth + 1` device slots in the learned order. So at most the resident layers
+plus `depth + 1` are ever on the device, and a slot is overwritten only after the work that read it has
+finished. Without CUDA the same code runs with every fence already complete.
 
-With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the
-tiers keep and move the encoded bytes, and `get` decodes into the slot on the consumer's stream, after the
-copy it reads: resident layers too are kept encoded and decoded into a slot. A layer holding a NaN or an inf
-is kept exactly as put instead (no codec can hold such a value without spreading it or dropping it), served
-like a layer of exact storage, and counted in `stats()["kv_error"]`. A layer whose batch rows are identical is
-kept as one row (`dedup.py`: dedup first, then the codec) and broadcast into the slot at `get`.
+With compact storage (`storage` fp8 / int8) the codec (`codec.py`) encodes at `put` on the device, the tiers
+keep and move the encoded bytes, and `get` decodes into a slot; a layer holding a NaN or an inf is kept exactly
+as put instead (no codec can hold such a value without spreading or dropping it) and counted in
+`stats()["kv_error"]`. A layer whose batch rows are identical is kept as one row (`dedup.py`: dedup first, then
+the codec) and broadcast into the slot at `get`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
 from .codec import Compact, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .dedup import RowDedup, served_layout
-from .devices import Streams, open_streams, unified_memory_reason
-from .guards import check_device, check_pair, check_unmodified, engine_mode, one_consumer
-from .hostfacts import free_device_memory, free_host_memory, host_dir, same_pool_reason
-from .hostmem import HostAllocator, pin_room
+from .devices import unified_memory_reason
+from .guards import Consumer, check_device, check_pair, engine_mode, one_consumer
+from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
+from .hostmem import pin_room
 from .layout import LayerLayout, layout_for
-from .places import BUDGET_DEVICE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, budget_place
+from .places import BUDGET_DEVICE, BUDGET_HOST, BUDGET_PLACES, DEVICE, budget_place
 from .plan import ASSUMED_LAYERS, Figures, Plan, make_plan, resolve
-from .ring import LayerOrder, Layers, SlotRing
+from .layers import Layers
+from .resources import StoreResources
+from .ring import LayerOrder
 from .stats import Snapshot, StoreStats
-from .tiers import Tier, TierContext
-from .tiers.registry import PlaceOptions, close_tiers, open_tier
+from .tiers import Tier
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +59,7 @@ class KVStore:
 
     def __init__(self, config: OffloadConfig, device, *, host: Optional[HostServices] = None,
                  expected_bytes: Optional[int] = None, name: str = ""):
-        _check_args(config, expected_bytes)
-        self.device = check_device(device)
-        if config.storage == "fp8" and self.device.type == "mps":
-            raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "
-                             "got storage='fp8' on an mps device. Use storage='int8' there.")
+        self.device = _check_args(config, device, expected_bytes)
         self.config, self.name = config, name
         self._host = host or HostServices()
         self._expected = expected_bytes
@@ -78,18 +69,14 @@ class KVStore:
         self.requested = config.mode
         self.mode: Optional[Mode] = None
         self._granted = "auto: decided at the first put"  # how the requested mode was granted (see `reason`)
-        self._notes: List[str] = []  # what the tiers add (e.g. files on a RAM-backed filesystem)
         self.plan: Optional[Plan] = None
-        self._streams: Optional[Streams] = None
+        self._res: Optional[StoreResources] = None  # streams, allocators, tiers and ring, once the mode is known
         self._tiers: Dict[str, Tier] = {}
         self._layers = Layers(self._compact)
         self._used = dict.fromkeys(BUDGET_PLACES, 0)  # bytes as kept, per budget place (the plan's caps)
-        self._ring: Optional[SlotRing] = None
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
-        self._served: Optional[tuple] = None  # (key, k, v, version) of the last get: read-only to the consumer
-        self._owner: Optional[threading.Thread] = None
-        self._owner_lock, self._busy = threading.Lock(), threading.RLock()
+        self._consumer, self._busy = Consumer(), threading.RLock()
         self.closed = False
         self.depth = 0
         self.sealed = False  # set by park(): complete and read-only
@@ -107,20 +94,9 @@ class KVStore:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def _open_schedule(self, asynchronous: bool) -> None:
-        """Streams, allocators and the ring; tiers open per place at the first layer placed there."""
-        self.depth = self.config.depth if asynchronous else 0
-        self._streams = open_streams(self.device, asynchronous, self._host.stream)
-        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA). One pinned-memory budget
-        # per process (the host's, else the engine's) is shared by every store; `pin_budget` caps this one inside it.
-        self._allocator = HostAllocator(self._streams.asynchronous, self.config.pin_budget, self._host.pin,
-                                        self._host.unpin)
-        self._pageable = HostAllocator(False, 0)
-        self._ctx = TierContext(self.device, self._streams, self._allocator, self.depth)
-        self._ring = SlotRing(self.depth, self._streams, self._tiers, self._layers, self._order, self._stats,
-                              self.device)
-        # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
-        # dict itself, so tiers opened later are closed too.
-        self._finalizer = weakref.finalize(self, close_tiers, self._tiers, self._streams)
+        self._res = StoreResources(self, self.config, self._host, self.device, asynchronous, self._tiers,
+                                   self._layers, self._order, self._stats)
+        self.depth = self._res.depth
 
     def _free_figures(self) -> Tuple[Optional[int], Optional[int]]:
         """Free device and host memory for `auto` (validated, `hostfacts.host_figure`); (None, None) otherwise."""
@@ -139,7 +115,7 @@ class KVStore:
             slots=self.depth + 1, slot_bytes=layout.data_bytes + (kept.data_bytes if self._codec is not None else 0),
             device_budget=self.config.device_budget, host_budget=self.config.host_budget,
             pin_budget=pin_room(self.config.pin_budget, host_pins=self._host.pin is not None),
-            free_device=free[0], free_host=free[1], pinnable=self._allocator.pin,
+            free_device=free[0], free_host=free[1], pinnable=self._res.allocator.pin,
             unified=self._unified or same_pool_reason(self.device), counted=counted)
         self.plan = make_plan(Mode.AUTO if auto else self.mode, figures)
         if auto:
@@ -147,16 +123,6 @@ class KVStore:
         counts = ", ".join(f"{place} {n}" for place, n in self.plan.counts().items() if n)
         log.info("KV offload%s: tier %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
                  self.mode.value, self.plan.reason, counts, self.config.storage, self.depth)
-
-    def _tier(self, place: str) -> Tier:
-        tier = self._tiers.get(place)
-        if tier is None:
-            parent = self.config.file_dir or (host_dir(self._host.temp_dir()) if self._host.temp_dir else None)
-            opts = PlaceOptions(self._pageable, parent, self.config.bypass, asynchronous=self.depth > 0)
-            tier = self._tiers[place] = open_tier(place, self._ctx, opts)
-            if tier.note:  # e.g. files on a RAM-backed filesystem: the stats say why this place saves no RAM
-                self._notes.append(tier.note)
-        return tier
 
     @engine_mode
     def close(self) -> None:
@@ -171,18 +137,9 @@ class KVStore:
         if self.closed:
             return
         self.closed = True
-        self._served = None
-        try:
-            if self._ring is not None:
-                self._ring.cancel()
-        finally:
-            if self._streams is not None:
-                self._finalizer()  # background work finished, then buffers freed and files deleted
-                self._streams.resolve(block=True)
-                log.info("KV offload%s: closed; %s", self._tag, self._stats.summary(self._streams.seconds))
-            if self._ring is not None:
-                self._ring.drop()  # device slots go last: no copy into them can be in flight any more
-            self._stats.emptied()
+        if self._res is not None:
+            self._res.close(self._tag)
+        self._stats.emptied()
 
     def __enter__(self) -> "KVStore":
         return self
@@ -215,7 +172,7 @@ class KVStore:
             self._make_plan(layout, kept, free)
         used = self._used
         place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
-        self._tier(place).store(key, k, v, kept)
+        self._res.tier(place).store(key, k, v, kept)
         self._layers.add(key, layout, kept, place, rows)
         self._order.add(key)
         used[budget_place(place)] += kept.data_bytes
@@ -235,34 +192,12 @@ class KVStore:
         self._check_open("get")
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
-        self._check_served()
         self._stats.count_get()
-        k, v = self._ring.serve(key)
-        self._served = (key, k, v, k._version + v._version)
-        return k, v
-
-    def _check_served(self) -> None:
-        # Views of one slot share its version counter, and every tier's get hands out tensors with one, so an
-        # in-place write by the consumer is seen here the same way on every tier.
-        served, self._served = self._served, None
-        if served is not None and served[1]._version + served[2]._version != served[3]:
-            self._ring.release_current()  # an offloaded tier reloads the layer clean next time
-            check_unmodified(served[0], served[1]._version + served[2]._version, served[3])
+        return self._res.ring.serve(key)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
-
-    def _check_consumer(self, what: str) -> None:
-        me = threading.current_thread()
-        with self._owner_lock:
-            if self._owner is None:
-                self._owner = me
-        if self._owner is not me:
-            raise RuntimeError(
-                f"KVStore.{what}: store {self.name!r} serves one consumer, thread {self._owner.name!r} (the first "
-                f"to put or get); called from thread {me.name!r}. A get's tensors are only valid until the next "
-                "get, so two threads would read each other's layers. Create one store per consumer thread.")
 
     @engine_mode
     def flush(self) -> None:
@@ -284,18 +219,14 @@ class KVStore:
         was.
         """
         with self._busy:
-            if self.closed or self._streams is None:
+            if self.closed or self._res is None:
                 return
             if not self.sealed:
-                for tier in list(self._tiers.values()):
-                    tier.seal()  # every layer in place (on disk, and counted there), the write staging freed
+                self._res.seal()
             self.sealed = True
-            self._served = None
-            self._ring.empty()  # host slots a tier made go back to the OS, device slots to the caching allocator
-            resident = self._layers.resident
-            self._stats.parked(sum(self._layers.kept[k].tensor_bytes for k in resident), len(resident))
-            with self._owner_lock:
-                self._owner = None  # the next request's consumer owns it, one request at a time
+            self._res.ring.empty()  # host slots a tier made go back to the OS, device slots to the caching allocator
+            self._stats.parked(self._layers.resident_bytes(), len(self._layers.resident))
+            self._consumer.release()  # the next request's consumer owns it, one request at a time
 
     # -- reporting -------------------------------------------------------------------------------------------
     @property
@@ -305,17 +236,13 @@ class KVStore:
         has nothing to add; then what the tiers noted."""
         said = self._granted
         if self.plan is not None:
-            nbytes = sum(kept.data_bytes for kept in list(self._layers.kept.values()))
-            words = self.plan.describe(self.placement(), nbytes)
+            words = self.plan.describe(self.placement(), self._layers.kept_bytes())
             said = words if words != "requested" else said
-        return "; ".join([said, *self._notes])
+        return "; ".join([said, *(self._res.notes if self._res is not None else ())])
 
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place (what `stats()["plan"]` reports)."""
-        out = dict.fromkeys(PLACES, 0)
-        for place in list(self._layers.where.values()):  # a copy: stats() may run on another thread during puts
-            out[place] += 1
-        return out
+        return self._layers.placement()
 
     def kv_error(self) -> Optional[Dict[str, object]]:
         """The codec's error over every layer put, and the layers kept exact (`codec.Compact.summary`)."""
@@ -323,25 +250,18 @@ class KVStore:
 
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
-        stored: Dict[str, int] = {}
-        info: Dict[str, object] = {}
-        for tier in list(self._tiers.values()):
-            if not self.closed:
-                for place, n in tier.nbytes().items():
-                    stored[place] = stored.get(place, 0) + n
-            info.update(tier.info())
-        opened = self._streams is not None
-        if opened:
-            self._streams.resolve(block=False)
+        res = self._res
+        stored, info = res.stored(self.closed) if res is not None else ({}, {})
         return self._stats.as_dict(Snapshot(
-            tier=self.mode.value if self.mode is not None else None, reason=self.reason,
-            prefetch_depth=self.depth, closed=self.closed, layers=len(self._layers.layouts), plan=self.placement(),
-            stored=stored, info=info, seconds=dict(self._streams.seconds) if opened else {"transfer": 0.0, "wait": 0.0},
-            pinned_fallback=self._allocator.fallback_reason if opened else None, kv_error=self.kv_error(),
+            tier=self.mode.value if self.mode is not None else None, reason=self.reason, prefetch_depth=self.depth,
+            closed=self.closed, layers=len(self._layers.layouts), plan=self.placement(), stored=stored, info=info,
+            seconds=res.seconds() if res is not None else {"transfer": 0.0, "wait": 0.0},
+            pinned_fallback=res.allocator.fallback_reason if res is not None else None, kv_error=self.kv_error(),
             dedup=self.dedup.as_dict()))
 
 
-def _check_args(config, expected_bytes) -> None:
+def _check_args(config, device, expected_bytes) -> torch.device:
+    """The arguments of `KVStore(config, device, expected_bytes=...)` checked; returns the device."""
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"KVStore: `config` must be an OffloadConfig; got {type(config).__name__}.")
     if config.mode is Mode.OFF:
@@ -350,3 +270,8 @@ def _check_args(config, expected_bytes) -> None:
     if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
                                        or expected_bytes < 0):
         raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
+    device = check_device(device)
+    if config.storage == "fp8" and device.type == "mps":
+        raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "
+                         "got storage='fp8' on an mps device. Use storage='int8' there.")
+    return device

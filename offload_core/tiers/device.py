@@ -7,10 +7,18 @@ from typing import Dict, Hashable, Tuple
 import torch
 
 from ..devices import Fence
-from ..guards import check_unmodified
 from ..layout import LayerLayout, views
 from ..places import DEVICE
 from .base import Pending, Tier, TierContext
+
+
+def check_unmodified(key: Hashable, version: int, served: int) -> None:
+    """Refuses to serve a layer whose tensors were written in place since the store handed them out."""
+    if version != served:
+        raise RuntimeError(
+            f"KVStore.get: the K/V of layer {key!r} returned by an earlier get were modified in place; the store "
+            "serves its own buffers, which consumers must only read. Copy them first (e.g. torch.cat, .clone()) "
+            "before changing them. This layer is not served again as it is; recompute the prefix.")
 
 
 class DeviceTier(Tier):

@@ -144,7 +144,7 @@ def test_close_leaves_no_file_and_no_buffer(mode, tmp_path):
     for key, (k, v) in layers.items():
         store.put(key, k, v)
     store.get(0)
-    allocators = (store._allocator, store._pageable)
+    allocators = (store._res.allocator, store._res.pageable)
     assert store.stats()["bytes"] != {"device": 0, "host_pinned": 0, "host_pageable": 0, "file": 0}
     if store.stats()["plan"]["file"]:
         assert len(os.listdir(tmp_path)) == 1  # the store's own private directory
@@ -169,7 +169,7 @@ def test_exception_mid_request_cleans_up(mode, tmp_path):
             raise KeyboardInterrupt
     assert store.closed
     assert os.listdir(tmp_path) == []
-    for allocator in (store._allocator, store._pageable):
+    for allocator in (store._res.allocator, store._res.pageable):
         assert allocator.pinned_bytes == 0 and allocator.pageable_bytes == 0
 
 

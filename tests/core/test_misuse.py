@@ -56,7 +56,7 @@ def test_close_from_another_thread_ends_the_store_for_its_consumer(tmp_path):
     assert "error" not in run_in_thread(store.close)
     with pytest.raises(RuntimeError, match="closed"):
         store.get(1)
-    assert store._allocator.pageable_bytes == 0
+    assert store._res.allocator.pageable_bytes == 0
 
 
 def test_close_from_another_thread_waits_for_the_get_in_progress():
@@ -88,7 +88,7 @@ def test_close_from_another_thread_waits_for_the_get_in_progress():
     assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
     helper.join(timeout=60)
     closer.join(timeout=60)
-    assert store.closed and store._allocator.pageable_bytes == 0
+    assert store.closed and store._res.allocator.pageable_bytes == 0
 
 
 @pytest.mark.parametrize("mode", TIERS)
@@ -216,7 +216,7 @@ def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
         store.put(key, k, v)
     store.get(0)
     store.get(1)  # prefetches layer 2, whose read is interrupted in the background
-    store._ring.holding(2).pending._future.exception(timeout=60)
+    store._res.ring.holding(2).pending._future.exception(timeout=60)
     try:
         store.close()
     except KeyboardInterrupt:

@@ -132,7 +132,7 @@ def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
             store.put(key, k, v)
         read_back(sim, store, range(6))  # the order is learned; layer 0 is prefetched for the next step
         read_back(sim, store, [0, 1])  # layer 2 is in flight now
-        target = store._ring.holding(2).buffer.data_ptr()
+        target = store._res.ring.holding(2).buffer.data_ptr()
 
         def interrupt(stream, dst, src):
             if dst.data_ptr() == target:  # the prefetch of layer 4 into the slot that holds layer 2
