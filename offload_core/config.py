@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.util
-import os
-import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from .tiers import fileos
+from .filecheck import check_file_options
 
 MAX_PREFETCH_DEPTH = 8  # more layers in flight only re-creates the device cache we are trying to avoid
 
@@ -100,7 +97,7 @@ class OffloadConfig:
             budget every store of the process shares: the host pinning service's (ComfyUI's), else a quarter of
             the physical RAM (`hostmem.process_pin_budget()`). Default: no cap of its own.
         device_budget: bytes of the cache (as kept) a store may hold resident on the device; whole layers up
-            to it stay there, the rest stream from the mode's place (None: the mode decides, as before).
+            to it stay there, the rest stream from the mode's place (None: the mode decides).
             Streaming modes and `auto` only. Budgets are per store, i.e. per cached prefix and CFG branch.
         host_budget: bytes of host RAM a store may hold its layers in; beyond it layers spill to files (None:
             no cap). RAM modes and `auto` only.
@@ -133,7 +130,7 @@ class OffloadConfig:
                       "'ram_sync', 'ram_async' and 'auto' (the modes that keep layers in RAM)",
                       "pick 'ram_async' or 'auto'")
         spills = mode.is_ram and self.host_budget is not None  # overflow beyond the host budget goes to files
-        _check_file_options(mode, self.file_dir, self.bypass_page_cache, spills)
+        check_file_options(mode, self.file_dir, self.bypass_page_cache, spills)
         _check_pin_budget(mode, self.pin_budget)
         object.__setattr__(self, "storage", _check_storage(mode, self.storage))
         _check_dedup(mode, self.dedup)
@@ -207,50 +204,6 @@ def _check_dedup(mode: Mode, dedup) -> None:
     if dedup is not None and mode is Mode.OFF:
         raise ValueError(f"`dedup` only applies where a cache is kept; mode 'off' keeps none (got dedup={dedup}). "
                          "Remove it, or pick another mode.")
-
-
-def _check_file_options(mode: Mode, file_dir: Optional[str], bypass: Optional[bool], spills: bool = False) -> None:
-    file_like = mode.takes_file_options or spills
-    if (mode.is_file or spills) and importlib.util.find_spec("xxhash") is None:
-        raise ValueError(
-            f"mode {mode.value!r} keeps layers in files, which are checksummed with xxhash, and xxhash is not "
-            "installed. Install it (`pip install xxhash`, or `pip install -r requirements.txt` in the ComfyUI pack), "
-            "or pick a RAM or gpu mode.")
-    missing = fileos.current().problem
-    if (mode.is_file or spills) and missing:
-        raise ValueError(
-            f"mode {mode.value!r} keeps layers in files, which needs {missing} from the operating system; this "
-            f"Python ({sys.platform}) has none of it. Pick 'ram_sync' / 'ram_async' (or 'gpu'), and no `host_budget`.")
-    if bypass is not None:
-        if not isinstance(bypass, bool):
-            raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")
-        if not file_like:
-            raise ValueError(
-                f"`bypass_page_cache` only applies to the file tiers (and RAM modes with a `host_budget`); got "
-                f"bypass_page_cache={bypass} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
-            )
-    if file_dir is None:
-        return
-    if not file_like:
-        raise ValueError(
-            f"`file_dir` only applies to the file tiers (and RAM modes with a `host_budget`); got "
-            f"file_dir={file_dir!r} with mode {mode.value!r}. "
-            "Remove it, or pick 'file_sync' / 'file_async'."
-        )
-    if not isinstance(file_dir, (str, os.PathLike)):
-        raise ValueError(f"`file_dir` must be a path; got {file_dir!r}.")
-    path = os.fspath(file_dir)
-    if not os.path.isdir(path):
-        what = "a file" if os.path.exists(path) else "missing"
-        raise ValueError(
-            f"`file_dir` must be an existing directory; got {path!r}, which is {what}. "
-            "Create the directory first, or pass file_dir=None for a private temp dir."
-        )
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"`file_dir` must be writable; got {path!r}, which this process cannot write to. "
-            "Pick a writable directory, or pass file_dir=None for a private temp dir."
-        )
 
 
 def _check_pin_budget(mode: Mode, budget: Optional[int]) -> None:

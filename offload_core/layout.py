@@ -87,9 +87,9 @@ def typed_views(flat: torch.Tensor, layout: LayerLayout,
     """`views(flat, layout)`, in one torch call per tensor: `typed` keeps `flat` viewed as each dtype (the
     caller's cache, to be emptied when `flat` changes), and K and V are strided views of that.
 
-    For the tensors a `get` serves, made fresh every time (a consumer may change a view's shape in place).
-    Every torch call releases the GIL and has to win it back from the I/O threads: with six of them per get
-    instead of two, a get on 2 busy cores took 1.9 instead of 1.3 ms (measured)."""
+    For the tensors a `get` serves, made fresh every time (a consumer may change a view's shape in place), in
+    as few torch calls as possible: each one releases the GIL and has to win it back from the I/O threads
+    (figures in docs/benchmark.md, "Engine measurements")."""
     out = []
     for spec in layout.specs:
         whole = typed.get(spec.dtype)
@@ -139,8 +139,8 @@ def copy_range(dst: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch
 def _copy_run(dst: torch.Tensor, run: torch.Tensor, non_blocking: bool) -> None:
     """`dst` (bytes) <- `run`. Host to host, a contiguous tensor goes as one memmove on this thread, with the
     GIL released (not a negated view, whose bytes are not its values): torch splits a large copy over every
-    core and waits for the slowest part, so beside busy I/O and hash threads it slows to a third (measured on
-    2 cores, 32 MiB: 11.8 GiB/s idle, 3.7 GiB/s with the other core busy; one memmove 5.7 GiB/s either way)."""
+    core and waits for the slowest part, which beside busy I/O and hash threads is far slower than one memmove
+    (figures in docs/benchmark.md, "Engine measurements")."""
     if dst.device.type == "cpu" and run.device.type == "cpu" and run.is_contiguous() and not run.is_neg():
         if dst.numel():
             ctypes.memmove(dst.data_ptr(), run.data_ptr(), dst.numel())

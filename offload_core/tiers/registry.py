@@ -3,7 +3,7 @@
 A store holds one tier per place its plan uses, opened on the first layer placed there (a plan with no file
 layer creates no directory). Every tier gets the store's streams and depth; the host places differ only in
 their allocator: `host_pinned` pins within the budget (and falls back visibly), `host_pageable` never pins.
-File staging comes from the pinning allocator, as the file tiers always did.
+File staging comes from the pinning allocator: staged copies to the device are the ones pinning speeds up.
 """
 
 from __future__ import annotations
