@@ -40,7 +40,7 @@ class StoreResources:
         self.tiers = tiers
         self.notes: List[str] = []  # what the tiers add (e.g. files on a RAM-backed filesystem)
         self._ctx = TierContext(device, self.streams, self.allocator, self.depth)
-        self.ring = SlotRing(self.depth, self.streams, tiers, layers, order, stats, device)
+        self.ring = SlotRing(self.depth, self.streams, tiers, layers, order, stats)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too.
         self._finalizer = weakref.finalize(owner, close_tiers, tiers, self.streams)

@@ -78,8 +78,8 @@ class LayerOrder:
 
 class SlotRing:
     def __init__(self, depth: int, streams: Streams, tiers: Dict[str, Tier], layers: Layers, order: LayerOrder,
-                 stats: StoreStats, device: torch.device):
-        self._streams, self._tiers, self._layers, self._stats, self._device = streams, tiers, layers, stats, device
+                 stats: StoreStats):
+        self._streams, self._tiers, self._layers, self._stats = streams, tiers, layers, stats
         self._depth, self._order = depth, order
         self.slots: List[Slot] = [Slot() for _ in range(depth + 1)]  # buffers come at the first load
         self.current: Optional[Slot] = None  # the slot the consumer was last served from
@@ -237,7 +237,7 @@ class SlotRing:
         """A slot buffer, made by a tier that wants to make the slots it reads into (`Tier.own_slots`: e.g.
         page-aligned for the file tier's `O_DIRECT` reads on a CPU) if one is open, else by any open tier."""
         tiers = list(self._tiers.values())
-        return next((t for t in tiers if t.own_slots), tiers[0]).new_slot(nbytes, self._device)
+        return next((t for t in tiers if t.own_slots), tiers[0]).new_slot(nbytes, self._streams)
 
     def cancel(self) -> None:
         """At close: loads still queued are cancelled (running ones finish); the slots stay until the tiers close."""

@@ -114,9 +114,10 @@ class Tier(abc.ABC):
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"{type(self).__name__} keeps no layer on the device; load layer {key!r} into a slot.")
 
-    def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A flat uint8 buffer of `nbytes` on `device` for the store's ring."""
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
+        """A flat uint8 buffer of `nbytes` on the device of `streams` for the store's ring (from the caching
+        allocator on the current stream)."""
+        return streams.empty(nbytes)
 
     def release_slot(self, slot: torch.Tensor) -> None:
         """The ring drops `slot`: a tier that made it with `new_slot` frees it now; others have nothing to do."""

@@ -21,7 +21,7 @@ from typing import Dict, Hashable, List, Optional
 
 import torch
 
-from ..devices import Fence
+from ..devices import Fence, Streams
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout
 from ..places import FILE, PAGEABLE, PINNED
@@ -82,11 +82,11 @@ class FileTier(Tier):
         self._files[key] = self._writer.write(key, k, v, layout, path)
 
     # -- reading ---------------------------------------------------------------------------------------------
-    def new_slot(self, nbytes: int, device: torch.device) -> torch.Tensor:
+    def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
         """On a CPU (no streams to order), a page-aligned slot, which `O_DIRECT` reads fill directly: no staging
         copy, no staging RAM."""
-        if device.type != "cpu" or not self._ctx.streams.immediate:
-            return super().new_slot(nbytes, device)
+        if streams.device.type != "cpu" or not streams.immediate:
+            return super().new_slot(nbytes, streams)
         buf = HostBuffer(nbytes)
         self._host_slots[buf.tensor.data_ptr()] = buf  # kept until close: a stuck read may still fill it
         return buf.tensor

@@ -32,7 +32,7 @@ def test_every_tier_loads_a_layer_into_a_slot_it_made(mode, place, tmp_path):
         store.flush()
         tier, layout = store._tiers[place], store._layers.kept[0]
         assert isinstance(tier, Tier)
-        slot = tier.new_slot(layout.data_bytes, store.device)
+        slot = tier.new_slot(layout.data_bytes, store._res.streams)
         tier.load(0, slot, DONE).wait(store._res.streams.consumer())
         got_k, got_v = views(slot, layout)
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
