@@ -124,7 +124,7 @@ def test_a_new_slot_waits_for_the_kernels_still_using_its_memory(make_sim, mode,
 
 
 def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
-    # Guards `slot.key = None` in `_load`: a Ctrl-C after a copy into a slot was queued, before it is recorded.
+    # Guards `slot.key = None` in `SlotRing.load`: a Ctrl-C after a copy into a slot was queued, before it is recorded.
     sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=36)
     with KVStore(OffloadConfig(mode="ram_async"), "cpu") as store:
@@ -146,7 +146,7 @@ def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
 
 
 def test_a_failed_read_is_retried_by_the_next_get_not_remembered(tmp_path, monkeypatch):
-    # Guards `slot.key = None` when the wait in `get` fails: the slot is reloaded, not asked again.
+    # Guards `slot.key = None` when the wait in `SlotRing._schedule` fails: the slot is reloaded, not asked again.
     layers = make_layers(range(4), torch.float32, seed=37)
     real, failures = file_tier.open_checked, []
 
