@@ -88,6 +88,7 @@ class SlotRing:
     def serve(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V of layer `key` on the device, as put: the resident tensors, or views of the slot holding it."""
         self._check_served()
+        self._stats.count_get()
         layers = self._layers
         expands = layers.compact.coded(key) or key in layers.rows  # decoded or broadcast into a slot
         if key in layers.resident and not expands:

@@ -192,7 +192,6 @@ class KVStore:
         self._check_open("get")
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
-        self._stats.count_get()
         return self._res.ring.serve(key)
 
     def _check_open(self, what: str) -> None:
