@@ -5,36 +5,16 @@ import os
 import pytest
 import torch
 
-from offload_core import KVStore, Mode, OffloadConfig
+from offload_core import KVStore, OffloadConfig
 
-SMALL = 8192  # one bf16 / fp16 layer of make_layers' default shape (K and V, each 4 KiB-aligned); fp32: twice
-# Mixed placements: every lossless plan must serve exactly what the single tiers serve.
-PLANS = {
-    "device+ram": {"mode": "ram_async", "device_budget": 2 * SMALL},
-    "device+file": {"mode": "file_async", "device_budget": 2 * SMALL},
-    "ram+file": {"mode": "ram_sync", "host_budget": 2 * SMALL},
-    "device+ram+file": {"mode": "ram_async", "device_budget": 2 * SMALL, "host_budget": 2 * SMALL},
-}
-TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", *PLANS]
+from store_helpers import PLANS, TIERS, config_for, make_layers
+
 PLACE_OF = {"device": ("device",), "ram": ("host_pinned", "host_pageable"), "file": ("file",)}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def make_layers(keys, dtype, seed=0, shape=(1, 2, 37, 16)):
-    gen = torch.Generator().manual_seed(seed)
-    return {key: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-            for key in keys}
-
-
 def mode_of(name):
     return PLANS.get(name, {"mode": name})["mode"]
-
-
-def config_for(name, tmp_path):
-    fields = dict(PLANS.get(name, {"mode": name}))
-    if Mode(fields["mode"]).is_file or "host_budget" in fields:
-        fields["file_dir"] = str(tmp_path)
-    return OffloadConfig(**fields)
 
 
 def put_then_get(store, layers, passes):

@@ -13,12 +13,13 @@ import torch
 from offload_core import KVFileError, KVStore, OffloadConfig
 from offload_core.tiers import fileio, fileos
 
+from store_helpers import make_layers
+
 MODES = ["file_sync", "file_async"]
 
 
 def filled_store(mode, directory, n=3, shape=(1, 2, 300, 64)):
-    gen = torch.Generator().manual_seed(5)
-    layers = {i: (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for i in range(n)}
+    layers = make_layers(range(n), torch.float32, seed=5, shape=shape)
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(directory)), "cpu")
     for key, (k, v) in layers.items():
         store.put(key, k, v)

@@ -12,7 +12,7 @@ from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.tiers import Pending
 from offload_core.tiers import fileread as file_tier
 
-from test_contract import TIERS, config_for, make_layers
+from store_helpers import TIERS, config_for, make_layers
 
 
 def run_in_thread(fn):

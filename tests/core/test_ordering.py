@@ -13,7 +13,7 @@ from offload_core import KVStore, OffloadConfig
 from offload_core.tiers import fileread as file_tier
 
 from ordering_helpers import read_back
-from test_contract import make_layers
+from store_helpers import make_layers
 
 ASYNC = ["ram_async", "file_async"]
 

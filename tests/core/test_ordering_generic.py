@@ -13,7 +13,7 @@ from offload_core.hostmem import HostAllocator
 from offload_core.tiers.staging import StagingPool
 
 from ordering_helpers import read_back
-from test_contract import make_layers
+from store_helpers import make_layers
 
 
 def test_a_chunk_is_written_only_after_its_copy_into_the_staging_buffer(make_sim, tmp_path):
