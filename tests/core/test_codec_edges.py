@@ -7,7 +7,7 @@ import torch
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.codec import Codec, add_error, error_summary
 
-from store_helpers import make_layers
+from store_helpers import make_layers, put_all
 
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto", "mixed"]
 LOSSY = ["fp8", "int8"]
@@ -38,8 +38,7 @@ def relative(x, y):
 
 def serve(store, layers, passes=2):
     """Puts `layers` ({key: (k, v)}), gets them `passes` times; returns the last pass's copies in order, stats."""
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     out = []
     for _ in range(passes):
         out = [tuple(t.clone() for t in store.get(key)) for key in layers]
@@ -149,7 +148,6 @@ def test_a_first_layer_of_no_tokens_does_not_size_the_plan(storage):
     config = OffloadConfig(mode="ram_sync", storage=storage, device_budget=2 * LAYER)
     with KVStore(config, "cpu", expected_bytes=1 << 21) as store:  # small enough to fail fast without the guard
         store.put(0, empty, empty)
-        for key, (k, v) in make_layers(range(1, 4), shape=SHAPE).items():
-            store.put(key, k, v)
+        put_all(store, make_layers(range(1, 4), shape=SHAPE))
         assert len(store.plan.places) <= 60 and store.stats()["plan"]["device"] >= 1
         assert store.get(0)[0].shape == empty.shape and store.get(2)[0].shape == SHAPE

@@ -13,7 +13,7 @@ import torch
 from offload_core import KVFileError, KVStore, OffloadConfig
 from offload_core.tiers import fileio, fileos
 
-from store_helpers import make_layers
+from store_helpers import make_layers, put_all
 
 MODES = ["file_sync", "file_async"]
 
@@ -21,8 +21,7 @@ MODES = ["file_sync", "file_async"]
 def filled_store(mode, directory, n=3, shape=(1, 2, 300, 64)):
     layers = make_layers(range(n), torch.float32, seed=5, shape=shape)
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(directory)), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     k, v = store.get(0)
     assert torch.equal(k, layers[0][0]) and torch.equal(v, layers[0][1])
     store.flush()  # every file is on disk before a test damages one

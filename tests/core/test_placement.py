@@ -8,7 +8,7 @@ from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.plan import RESERVE_BYTES, GiB
 from offload_core.tiers import file, fileio
 
-from store_helpers import make_layers
+from store_helpers import make_layers, put_all
 
 SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout
 LAYER = 16384
@@ -173,8 +173,7 @@ def test_fp8_on_mps_is_refused_before_anything_is_allocated():
 def test_a_failing_tier_close_still_closes_the_other_places(tmp_path):
     config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
     store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
-    for key, (k, v) in make_layers(range(4), shape=SHAPE).items():
-        store.put(key, k, v)
+    put_all(store, make_layers(range(4), shape=SHAPE))
     assert set(store._tiers) == {"device", "host_pageable", "file"} and len(list(tmp_path.iterdir())) == 1
 
     def broken():
