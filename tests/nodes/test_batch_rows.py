@@ -15,8 +15,9 @@ import torch
 from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
 from kv_offload_pack.offload_core import HostServices
 
-from nodes_tiny import FakePatcher, Tiny21, TinyDiT, sample
+from nodes_tiny import FakePatcher, TinyDiT, sample
 from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 

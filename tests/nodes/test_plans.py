@@ -10,8 +10,9 @@ from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, stora
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
 
-from nodes_tiny import FakePatcher, Tiny21, TinyDiT, sample
+from nodes_tiny import FakePatcher, TinyDiT, sample
 from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LAYER = 8192  # one tiny layer (K and V each on a 4 KiB boundary)
 PLANS = {

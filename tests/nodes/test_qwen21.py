@@ -9,8 +9,9 @@ from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 
-from nodes_tiny import FakePatcher, Tiny21, sample
+from nodes_tiny import FakePatcher, sample
 from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LOSSLESS = ["ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
