@@ -94,7 +94,7 @@ class NodeReuse:
     def forget_model(self, dm_id: int, why: str) -> int:
         with self._lock:
             self._watched.discard(dm_id)
-        return self.registry.evict_where(lambda k: k.header[0][1] == dm_id, why)
+        return self.registry.evict_where(lambda k: k.model_id == dm_id, why)
 
     def on_detach(self, patcher, unpatch_all=True) -> None:
         """`ModelPatcher.detach` callback: the model was unloaded, its kept prefixes go with it."""

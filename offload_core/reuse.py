@@ -24,11 +24,12 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .prefix import PrefixKey  # noqa: F401 (the adapters import it from here)
-from .reusebudget import PLACES, BudgetSpec, free_in, parse_budget, store_places  # noqa: F401 (re-exported)
+from .places import BUDGET_PLACES, MiB
+from .prefix import PrefixKey
+from .reusebudget import BudgetSpec, free_in, parse_budget, store_places
 from .tiers import KVFileError
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,6 @@ class _Counters:
     busy: int = 0
     last_eviction: Optional[str] = None
     last_rejection: Optional[str] = None
-    events: List[str] = field(default_factory=list)
 
 
 class PrefixRegistry:
@@ -134,17 +134,18 @@ class PrefixRegistry:
         return self._reject(store, reason, logging.INFO)
 
     def _reject(self, store, reason: str, level: int) -> bool:
-        """The one way an offered store is turned down: counted, logged, closed."""
-        self.note_rejection(reason)
-        log.log(level, "KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", reason)
+        """An offered store turned down: counted and logged as every rejection is, then closed."""
+        self.note_rejection(reason, level)
         store.close()
         return False
 
-    def note_rejection(self, why: str) -> None:
-        """Count a completed store the caller closed instead of offering it (e.g. its files go with a run)."""
+    def note_rejection(self, why: str, level: int = logging.INFO) -> None:
+        """Count and log a completed store that is not kept: the one path of every rejection, also of a store the
+        caller closes itself instead of offering it (e.g. its files go with a run)."""
         with self._lock:
             self._counters.rejected += 1
             self._counters.last_rejection = why
+        log.log(level, "KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", why)
 
     def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Tuple[Optional[str], List[Entry]]:
         """(None, the entries to evict first, oldest first) when `store` can be kept, else (why not, []).
@@ -154,20 +155,20 @@ class PrefixRegistry:
             return "the registry is closed", []
         if any(e.key.matches(key) for e in self._entries.get(hash(key), [])):
             return "an entry for the same prefix is kept already", []
-        limits = {p: self._limit(p, store) for p in PLACES}
+        limits = {p: self._limit(p, store) for p in BUDGET_PLACES}
         for place, n in places.items():
             if n > limits[place]:
-                return (f"it needs {n / 2**20:.1f} MiB of {place}, the reuse budget there is "
-                        f"{limits[place] / 2**20:.1f} MiB"), []
-        used = {p: self._used(p) + places[p] for p in PLACES}
+                return (f"it needs {n / MiB:.1f} MiB of {place}, the reuse budget there is "
+                        f"{limits[place] / MiB:.1f} MiB"), []
+        used = {p: self._used(p) + places[p] for p in BUDGET_PLACES}
         victims: List[Entry] = []
         for victim in self._lru.values():
-            if all(used[p] <= limits[p] for p in PLACES):
+            if all(used[p] <= limits[p] for p in BUDGET_PLACES):
                 break
             if not victim.leased:
                 victims.append(victim)
-                used = {p: used[p] - victim.places[p] for p in PLACES}
-        if not all(used[p] <= limits[p] for p in PLACES):
+                used = {p: used[p] - victim.places[p] for p in BUDGET_PLACES}
+        if not all(used[p] <= limits[p] for p in BUDGET_PLACES):
             return "the entries that would have to go are in use", []
         return None, victims
 
@@ -242,7 +243,7 @@ class PrefixRegistry:
                 "rejected": c.rejected, "busy": c.busy,
                 "last_eviction": c.last_eviction, "last_rejection": c.last_rejection,
                 "entries": len(self._lru),
-                "bytes": {p: self._used(p) for p in PLACES},
+                "bytes": {p: self._used(p) for p in BUDGET_PLACES},
                 "budget": dict(self.budget),
                 "held": [{"label": e.label, "hits": e.hits, "bytes": dict(e.places), "leased": e.leased,
                           "key_bytes": e.key.nbytes} for e in self._lru.values()],
@@ -250,19 +251,19 @@ class PrefixRegistry:
 
 
 def _close_quietly(store) -> None:
+    """Closes a store the registry no longer keeps. What closing can fail with (a file that cannot be deleted,
+    I/O that stays stuck, a device error) is logged, not raised: the registry goes on closing the others, and the
+    request that caused the eviction is not failed by a store it does not use."""
     try:
         store.close()
-    except Exception:
+    except (OSError, RuntimeError):
         log.warning("KV offload reuse: closing a kept store failed", exc_info=True)
 
 
 def _close_entries(lru: "OrderedDict[int, Entry]") -> None:
     # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included.
     for entry in list(lru.values()):
-        try:
-            entry.store.close()
-        except Exception:
-            pass
+        _close_quietly(entry.store)
     lru.clear()
 
 
@@ -270,7 +271,7 @@ def describe(stats: Optional[dict]) -> str:
     """One line for logs and the text readout, e.g. 'reuse: 3 hits, 1 miss, 2 kept (14.2 MiB host)'."""
     if not stats:
         return "reuse: off"
-    held = ", ".join(f"{n / 2**20:.1f} MiB {p}" for p, n in stats["bytes"].items() if n)
+    held = ", ".join(f"{n / MiB:.1f} MiB {p}" for p, n in stats["bytes"].items() if n)
     return (f"reuse: {stats['hits']} hit{'s' * (stats['hits'] != 1)}, {stats['misses']} "
             f"miss{'es' * (stats['misses'] != 1)}, {stats['entries']} kept" + (f" ({held})" if held else "")
             + (f", {stats['evictions']} evicted" if stats["evictions"] else ""))

@@ -23,7 +23,8 @@ import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
 from ..fingerprint import ModelState, Unkeyable, model_state, plain
-from ..reuse import PrefixKey, PrefixRegistry
+from ..prefix import PrefixKey
+from ..reuse import PrefixRegistry
 from .keys import attention_backend, check_numerics, is_ours
 from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
 
@@ -119,10 +120,8 @@ class OffloadSession:
         """Evict entries of the same transformer made from other weights (LoRA fused, weights edited): no later
         request is likely to hit them. Entries of the same weights in another module state stay (a backend or a
         hook switched off again hits them)."""
-        scope, digest = key.header[0][:2], key.header[0][2][1]
-
         def stale(kept: PrefixKey) -> bool:
-            return kept.header[0][:2] == scope and kept.header[0][2][1] != digest
+            return kept.scope == key.scope and kept.weights != key.weights
 
         self.reuse.evict_where(stale, "the transformer's weights changed", leased=False)
 
