@@ -18,7 +18,7 @@ def _cpu_name() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc (not Linux): the platform's own name below
     return platform.processor() or platform.machine()
 
 

@@ -124,7 +124,7 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
         try:
             fs.unlink(path)
         except FileNotFoundError:
-            pass
+            pass  # the probe never created it: nothing to remove
 
 
 def drop_pages(f: Handle) -> None:
@@ -213,7 +213,7 @@ def discard(path: str) -> None:
     try:
         fileos.current().unlink(path)
     except FileNotFoundError:
-        pass
+        pass  # gone already, which is all a discard asks for
     except OSError as exc:
         log.warning("KV offload: could not remove %r (%s)", path, exc)
 

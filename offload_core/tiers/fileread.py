@@ -81,14 +81,13 @@ class Reader:
         """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given);
         returns (staging item, fd, futures)."""
         if previous is not None:
-            try:
-                previous.result(timeout=io_timeout())
-            except cf.TimeoutError:
-                if not previous.done():
-                    raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
-                                       "read into the same buffer; the disk is not answering.") from None
-            except BaseException:
-                pass  # the earlier load failed: it no longer writes into the slot
+            # Only its end matters here, not how it ended: a failed earlier load no longer writes into the slot,
+            # and its error is its own reader's. `wait` never raises that error, so a Ctrl-C that arrives while
+            # this thread waits (`file_sync` runs it on the consumer's thread) is the only thing it can raise;
+            # nothing is taken yet, so it propagates as it is.
+            if not cf.wait([previous], timeout=io_timeout()).done:
+                raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
+                                   "read into the same buffer; the disk is not answering.")
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
