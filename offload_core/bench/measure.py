@@ -232,7 +232,7 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
     rows, reference = prepare_rows(pipe, rows, call_kwargs, device)
     samples: dict[str, list[dict]] = {row.key: [] for row in rows}
     # The model's own objects never become garbage: park them outside the collector so the per-request
-    # gc.collect() only walks what the requests allocate (a full walk costs ~0.3 s per request here).
+    # gc.collect() only walks what the requests allocate (a full walk per request would show in the latencies).
     gc.collect()
     gc.freeze()
     try:

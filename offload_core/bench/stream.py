@@ -154,6 +154,6 @@ def run(args) -> Dict[str, object]:
 
 
 def _io_depth() -> int:
-    from ..tiers.file import IO_DEPTH
+    from ..tiers.iopool import IO_DEPTH
 
     return IO_DEPTH

@@ -29,15 +29,10 @@ from .fileio import checksum_module, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
 from .filewrite import LayerFile, Writer
-from .iopool import IOPool, io_timeout
+from .iopool import IO_DEPTH, IOPool, io_timeout
 
 log = logging.getLogger(__name__)
 
-# Requests in flight per store. Measured on the ext4 virtual disk this was developed on: one 8 MiB stream
-# reaches about 60 % of the disk, four reach its limit, more add nothing; `python -m offload_core stream`
-# measures it on yours (KV_OFFLOAD_IO_DEPTH overrides it).
-IO_DEPTH = int(os.environ["KV_OFFLOAD_IO_DEPTH"]) if os.environ.get("KV_OFFLOAD_IO_DEPTH", "").isdigit() else 4
-IO_DEPTH = min(max(IO_DEPTH, 1), 64)
 # Threads checksumming chunks (xxh3 runs at about 10 GiB/s a thread, releasing the GIL): two keep up with an
 # NVMe drive and never delay a request, since the I/O threads hand them each chunk and go on.
 HASH_THREADS = 2

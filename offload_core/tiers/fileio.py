@@ -32,7 +32,7 @@ from .fileos import Handle
 log = logging.getLogger(__name__)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # this process's own value, for the benchmark's raw I/O
-CHUNK = 8 << 20  # bytes per request; several in flight (see file.IO_DEPTH) keep the disk's queue full
+CHUNK = 8 << 20  # bytes per request; several in flight (see iopool.IO_DEPTH) keep the disk's queue full
 CHECKSUM = "xxh3_64"
 
 # statfs f_type of filesystems whose files live in RAM (linux/magic.h): a file tier there saves no memory.
