@@ -88,9 +88,8 @@ def main(args) -> int:
     import json
 
     from . import loading
-    from .cli import _pipeline
 
-    pipe, description = _pipeline(args)  # the pipeline `bench` would measure with these options
+    pipe, description = loading.pipeline(args)  # the pipeline `bench` would measure with these options
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
                                 n_images=args.images)
     rows = measure(pipe, call, steps=args.steps, runs=args.runs, device=args.device)

@@ -50,10 +50,9 @@ def check(args, parser: argparse.ArgumentParser) -> None:
     args.device = cliargs.device(parser, args.device)  # imports torch
     import torch
 
-    from .cli import _DTYPES
     from .pose import pose_sizes
 
-    args.sizes = pose_sizes(args.size, args.frames, args.windows, getattr(torch, _DTYPES[args.dtype or "bf16"]))
+    args.sizes = pose_sizes(args.size, args.frames, args.windows, getattr(torch, cliargs.DTYPES[args.dtype or "bf16"]))
     problem = shortfall(args.sizes, args.device, tempfile.gettempdir())
     if problem:
         parser.exit(2, problem + "\n")
