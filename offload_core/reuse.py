@@ -4,14 +4,12 @@ A prefix K/V cache that provably depends only on some inputs (FLUX.2 Klein KV: t
 2.1: prompt embedding, references, slots, target size) can serve a later request with the same inputs and skip
 the extraction pass. `PrefixRegistry` holds such stores between requests:
 
-- a `PrefixKey` (`prefix.py`) is a small hashable header (shapes, dtypes, model identity, scalars) plus content tensors. Its
-  hash uses a digest computed on the tensors' own device (three weighted sums per tensor: a few kernels and one
-  small copy to the host); on a digest match the full content, kept on the host, is compared with `torch.equal`,
-  so two different prefixes never share an entry, however their digests collide.
+- a `PrefixKey` (`prefix.py`) is hashed by a digest computed on its tensors' device; on a digest match the full
+  content is compared, so two different prefixes never share an entry, however their digests collide.
 - an entry is one completed store, sealed (read-only) and parked (its device ring freed) while it waits. A hit
   leases it to one request at a time; a request that finds its entry leased extracts anew.
-- byte budgets per place (`device`, `host` = pinned + pageable RAM, `file`) bound what is kept; least recently
-  used entries are evicted first, and eviction closes the store (frees its memory, deletes its files).
+- byte budgets per budget place (`device`, `host` = pinned + pageable RAM, `file`; `reusebudget.py`) bound what
+  is kept; least recently used entries are evicted first, and eviction closes the store (memory, files).
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
 
 The engine stays model-agnostic: what goes into a key is decided by the adapter (`offload_core.diffusers`, the
@@ -29,7 +27,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .places import BUDGET_PLACES, MiB
 from .prefix import PrefixKey
-from .reusebudget import BudgetSpec, free_in, parse_budget, store_places
+from .reusebudget import BudgetSpec, limits, parse_budget, room_for, store_places
 from .tiers import KVFileError
 
 log = logging.getLogger(__name__)
@@ -155,26 +153,8 @@ class PrefixRegistry:
             return "the registry is closed", []
         if any(e.key.matches(key) for e in self._entries.get(hash(key), [])):
             return "an entry for the same prefix is kept already", []
-        limits = {p: self._limit(p, store) for p in BUDGET_PLACES}
-        for place, n in places.items():
-            if n > limits[place]:
-                return (f"it needs {n / MiB:.1f} MiB of {place}, the reuse budget there is "
-                        f"{limits[place] / MiB:.1f} MiB"), []
-        used = {p: self._used(p) + places[p] for p in BUDGET_PLACES}
-        victims: List[Entry] = []
-        for victim in self._lru.values():
-            if all(used[p] <= limits[p] for p in BUDGET_PLACES):
-                break
-            if not victim.leased:
-                victims.append(victim)
-                used = {p: used[p] - victim.places[p] for p in BUDGET_PLACES}
-        if not all(used[p] <= limits[p] for p in BUDGET_PLACES):
-            return "the entries that would have to go are in use", []
-        return None, victims
-
-    def _limit(self, place: str, store) -> int:
-        n = self.budget[place]
-        return n if n is not None else (self._used(place) + free_in(place, store)) // 4
+        kept = list(self._lru.values())
+        return room_for(places, limits(self.budget, kept, store), kept)
 
     def _used(self, place: str) -> int:
         return sum(e.places[place] for e in self._lru.values())

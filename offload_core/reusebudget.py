@@ -1,13 +1,15 @@
-"""Byte budgets of the prefix registry (`reuse.py`): per budget place, parsed once, and what a store holds where."""
+"""Byte budgets of the prefix registry (`reuse.py`): per budget place, parsed once; what a store holds where; and
+whether a new entry fits, as plain functions over plain data (the registry then does what they decide).
+"""
 
 from __future__ import annotations
 
 import shutil
-from typing import Dict, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import psutil
 
-from .places import BUDGET_DEVICE, BUDGET_FILE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, budget_place
+from .places import BUDGET_DEVICE, BUDGET_FILE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, MiB, budget_place
 
 BudgetSpec = Union[None, int, Mapping[str, Optional[int]]]
 
@@ -57,3 +59,33 @@ def free_in(place: str, store) -> int:
         except OSError:
             return 0
     return 0
+
+
+def limits(budget: Dict[str, Optional[int]], kept: Sequence, store) -> Dict[str, int]:
+    """Bytes the registry may hold per budget place: the budget, or where it is None a quarter of what the `kept`
+    entries hold there plus what is free there now."""
+    out = {}
+    for place in BUDGET_PLACES:
+        n = budget[place]
+        out[place] = n if n is not None else (sum(e.places[place] for e in kept) + free_in(place, store)) // 4
+    return out
+
+
+def room_for(needed: Dict[str, int], limit: Dict[str, int], kept: Sequence) -> Tuple[Optional[str], List]:
+    """(None, the entries to evict first) when an entry holding `needed` bytes per place fits within `limit`
+    once they are gone, else (why not, []). `kept`: the entries held now, least recently used first, each with
+    its `places` and whether it is `leased` (read right now: it cannot go). A query: it changes nothing."""
+    for place, n in needed.items():
+        if n > limit[place]:
+            return f"it needs {n / MiB:.1f} MiB of {place}, the reuse budget there is {limit[place] / MiB:.1f} MiB", []
+    used = {p: sum(e.places[p] for e in kept) + needed[p] for p in BUDGET_PLACES}
+    victims: List = []
+    for victim in kept:
+        if all(used[p] <= limit[p] for p in BUDGET_PLACES):
+            break
+        if not victim.leased:
+            victims.append(victim)
+            used = {p: used[p] - victim.places[p] for p in BUDGET_PLACES}
+    if not all(used[p] <= limit[p] for p in BUDGET_PLACES):
+        return "the entries that would have to go are in use", []
+    return None, victims
