@@ -16,10 +16,11 @@ from typing import Callable, List
 import numpy as np
 import torch
 
+from ..places import MiB
+
 BATCH = 4
 MODES = ("gpu", "ram_async", "file_async")
 VARIANTS = (("1", 1, None), (f"{BATCH}, dedup off", BATCH, False), (str(BATCH), BATCH, None))
-MiB = 2 ** 20
 
 
 def _request(pipe, call: Callable[[], dict], mode: str, batch: int, dedup, device: torch.device):

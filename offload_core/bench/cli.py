@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import cliargs
+from ..places import GiB
 from . import posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows
@@ -120,7 +121,7 @@ def workload(args, rows: list[dict]) -> dict:
     cache = branches * fullsize.kv_bytes(args.pipeline, torch.bfloat16, args.images, 1024)
     weights = fullsize.PARAMETERS[args.pipeline] * 2
     what = (f"a real {fullsize.NAMES[args.pipeline]} request (1024x1024, {args.images} condition image(s), bf16"
-            f"{', true CFG' if branches == 2 else ''}, beside its {weights / 2**30:.0f} GiB of weights)")
+            f"{', true CFG' if branches == 2 else ''}, beside its {weights / GiB:.0f} GiB of weights)")
     return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what,
             "can_skip_cache": args.can_skip_cache}
 

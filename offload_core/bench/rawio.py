@@ -19,9 +19,9 @@ from typing import Dict, List
 
 import torch
 
+from ..places import GiB
 from ..tiers.fileio import O_DIRECT, drop_pages
 
-GiB = float(1 << 30)
 
 
 def _buffers(depth: int, chunk: int) -> List[mmap.mmap]:

@@ -11,9 +11,9 @@ from typing import Dict, List
 import torch
 
 from .. import KVStore, OffloadConfig
+from ..places import GiB
 from ..tiers import fileio, fileowner
 from . import rawio, streamreport
-from .rawio import GiB
 
 
 def _layer(nbytes: int, device: torch.device):

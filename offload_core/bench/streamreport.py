@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import torch
 
-from .rawio import GiB
+from ..places import GiB
 
 NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %
 
