@@ -38,10 +38,26 @@ def _last_line(folder: str, step: str) -> str:
     return lines[-1][:160] if lines else "no output"
 
 
+def _not_run(folder: str, step: str, title: str) -> list:
+    """A step that did not run: a failure when the check's time budget ran out before it, else a note."""
+    if os.path.exists(os.path.join(folder, f"{step}.budget")):
+        return [(title, FAIL, "not run: the check's time budget ran out before it")]
+    return [(title, NOTE, "not run")]
+
+
+def env_row(folder: str, step: str, title: str) -> list:
+    rc = _rc(folder, step)
+    if rc is None:
+        return _not_run(folder, step, title)
+    lines = [line.strip() for line in _read(os.path.join(folder, f"{step}.log")).splitlines()]
+    facts = [line for line in lines if line.startswith(("torch:", "from the wheel folder", "in the environment:"))]
+    return [(title, PASS if rc == 0 else FAIL, "; ".join(facts) if rc == 0 else f"exit {rc}: {_last_line(folder, step)}")]
+
+
 def pytest_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
-        return [(title, NOTE, "not run")]
+        return _not_run(folder, step, title)
     try:
         suites = ET.parse(os.path.join(folder, f"{step}.xml")).getroot()
     except (OSError, ET.ParseError):
@@ -59,7 +75,7 @@ def pytest_row(folder: str, step: str, title: str) -> list:
 def demo_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
-        return [(title, NOTE, "not run")]
+        return _not_run(folder, step, title)
     rows = [line.split() for line in _read(os.path.join(folder, f"{step}.log")).splitlines()]
     table = [r for r in rows if len(r) >= 3 and r[2] in ("yes", "NO")]
     inexact = [r[0] for r in table if r[2] == "NO"]
@@ -73,7 +89,7 @@ def demo_row(folder: str, step: str, title: str) -> list:
 def bench_rows(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
-        return [(title, NOTE, "not run")]
+        return _not_run(folder, step, title)
     try:
         with open(os.path.join(folder, f"{step}.json")) as f:
             data = json.load(f)
@@ -109,7 +125,7 @@ def _family_rows(folder: str, step: str, title: str, field: str, flag: str, shor
     engine has no `flag` or the step refused for lack of memory (`short_of_memory(log)`), else a FAIL."""
     rc = _rc(folder, step)
     if rc is None:
-        return rc, None, [(title, NOTE, "not run")]
+        return rc, None, _not_run(folder, step, title)
     try:
         with open(os.path.join(folder, f"{step}.json")) as f:
             return rc, json.load(f)[field], None
@@ -157,7 +173,7 @@ def pose_rows(folder: str, step: str, title: str) -> list:
 def optional_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
-        return [(title, NOTE, "not run")]
+        return _not_run(folder, step, title)
     log = _read(os.path.join(folder, f"{step}.log"))
     if rc != 0 and any(marker in log for marker in ABSENT_MARKERS):
         return [(title, NOTE, "not in this version of the engine: skipped")]
@@ -165,8 +181,8 @@ def optional_row(folder: str, step: str, title: str) -> list:
 
 
 STEPS = [
+    (env_row, "env", "environment (no network)"),
     (pytest_row, "sanitizer", "gpu tests, TORCH_CUDA_SANITIZER=1"),
-    (pytest_row, "tests", "gpu tests"),
     (demo_row, "demo", "demo round trip, every tier"),
     (bench_rows, "bench-qwen21", "bench full Qwen-Image 2.1"),
     (bench_rows, "bench-flux2", "bench full FLUX.2 klein 9B"),
@@ -174,6 +190,7 @@ STEPS = [
     (batch_rows, "batch-flux2", "batch 4 vs 1, FLUX.2 klein 9B"),
     (pose_rows, "pose", "pose cache, Wan 14B width"),
     (optional_row, "stream", "streaming benchmark"),
+    (pytest_row, "tests", "gpu tests"),
 ]
 
 

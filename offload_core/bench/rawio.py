@@ -1,9 +1,10 @@
-"""Raw limits of this machine, measured the way the tiers move bytes, for `python -m offload_core stream`.
+"""Raw limits of this machine, measured as a careful plain reader and writer would, for `python -m offload_core stream`.
 
-- files: `O_DIRECT` writes and reads of one file in the benchmark's directory, in chunks of the tiers' size,
-  with 1, 2, 4, ... requests in flight (one thread per request, page-aligned buffers, space allocated first,
-  as the file tiers do); the best depth is the disk's limit. Without `O_DIRECT` (macOS, some filesystems) the
-  file is written, flushed and dropped from the page cache before each read, and the table says so.
+- files: `O_DIRECT` writes and reads of one file in the benchmark's directory in every `Pattern`: request
+  size, requests in flight (one thread each), the file's space `fallocate`d first or not; the destination is
+  a ring of at least 4 requests of pre-touched, page-aligned memory. The best pattern is the disk's limit.
+  Without `O_DIRECT` (macOS, some filesystems) the file is written, flushed and dropped from the page cache
+  before each read, and the table says so.
 - RAM: one layer copied host to host (`Tensor.copy_`), best of a few.
 - CUDA: one layer copied pinned host to device and back.
 """
@@ -12,9 +13,9 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
@@ -22,61 +23,90 @@ import torch
 from ..places import GiB
 from ..tiers.fileio import O_DIRECT, drop_pages
 
+RING_CAP = 256 << 20  # the largest destination ring a pattern may use
 
 
-def _buffers(depth: int, chunk: int) -> List[mmap.mmap]:
-    return [mmap.mmap(-1, chunk) for _ in range(depth)]
+@dataclass(frozen=True)
+class Pattern:
+    """One way of moving a file: `request` bytes a request, `inflight` requests at once, space allocated first."""
+
+    request: int
+    inflight: int
+    fallocate: bool = True
+
+    @property
+    def ring(self) -> int:
+        """Requests in the destination ring: at least 4, and one per request in flight."""
+        return max(4, self.inflight)
+
+    @property
+    def label(self) -> str:
+        return f"{self.request >> 20}MiBx{self.inflight}" + ("" if self.fallocate else "-nofalloc")
 
 
-def _run(depth: int, chunk: int, total: int, fn) -> float:
-    """GiB/s of `fn(offset, buffer)` over every chunk of `total` bytes with `depth` requests in flight."""
-    buffers = _buffers(depth, chunk)
-    local = threading.local()
-    index = iter(range(depth))
-    lock = threading.Lock()
+def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP) -> List[Pattern]:
+    """Every request size x in-flight count, with and without `fallocate`, whose ring fits in `ring_cap`."""
+    return [Pattern(r, n, f) for r in requests for n in inflights for f in (True, False) if max(4, n) * r <= ring_cap]
 
-    def job(offset: int) -> None:
-        if not hasattr(local, "buf"):
-            with lock:
-                local.buf = memoryview(buffers[next(index)])
-        fn(offset, local.buf)
 
+def _ring(pattern: Pattern) -> List[mmap.mmap]:
+    ring = [mmap.mmap(-1, pattern.request) for _ in range(pattern.ring)]
+    for buf in ring:  # touched now, so no page fault is timed
+        buf.write(b"\1" * pattern.request)
+    return ring
+
+
+def _run(pattern: Pattern, total: int, fn, ring: List[mmap.mmap]) -> float:
+    """GiB/s of `fn(offset, buffer)` over every request of `total` bytes, `pattern.inflight` at a time, request i
+    into ring slot i mod ring size."""
+    views = [memoryview(b) for b in ring]
     start = time.perf_counter()
-    with ThreadPoolExecutor(depth) as pool:
-        list(pool.map(job, range(0, total, chunk)))
-    return total / GiB / (time.perf_counter() - start)
+    with ThreadPoolExecutor(pattern.inflight) as pool:
+        list(pool.map(lambda i: fn(i * pattern.request, views[i % len(views)]), range(total // pattern.request)))
+    seconds = time.perf_counter() - start
+    for view in views:
+        view.release()
+    return total // pattern.request * pattern.request / GiB / seconds
 
 
-def file_limits(directory: str, total: int, chunk: int, depths: List[int]) -> Dict[str, object]:
-    """Best O_DIRECT write and read GiB/s over `depths`, with the figure of every depth."""
+def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, object]:
+    """Write and read GiB/s of every pattern in `tried` over a file of `total` bytes, and the best of each."""
     path = os.path.join(directory, f".kv_offload-raw-{os.getpid()}.bin")
     direct = bool(O_DIRECT)
     write, read = {}, {}
     try:
-        for depth in depths:
+        for pattern in tried:
             if os.path.exists(path):
                 os.unlink(path)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-            if hasattr(os, "posix_fallocate"):
+            if pattern.fallocate and hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, total)
             os.close(fd)
+            ring = _ring(pattern)
             fd = _open(path, os.O_WRONLY, direct)
             direct = direct and fd[1]
-            write[depth] = _run(depth, chunk, total, lambda off, buf: os.pwrite(fd[0], buf, off))
+            write[pattern.label] = _run(pattern, total, lambda off, buf: os.pwrite(fd[0], buf, off), ring)
             os.close(fd[0])
             _settle(path, direct)
             fd = _open(path, os.O_RDONLY, direct)
             # Twice, the better kept: the tiers' get loop is the better of two passes too, and a disk with a
             # cache below the OS (a virtual disk) serves a second pass faster.
-            read[depth] = max(_run(depth, chunk, total, lambda off, buf: os.preadv(fd[0], [buf], off))
-                              for _ in range(2))
+            read[pattern.label] = max(_run(pattern, total, lambda off, buf: os.preadv(fd[0], [buf], off), ring)
+                                      for _ in range(2))
             os.close(fd[0])
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return {"o_direct": direct, "chunk_bytes": chunk, "write_gib_s": write, "read_gib_s": read,
+    return {"o_direct": direct, "write_gib_s": write, "read_gib_s": read,
             "best_write_gib_s": max(write.values()), "best_read_gib_s": max(read.values()),
-            "best_write_depth": max(write, key=write.get), "best_read_depth": max(read, key=read.get)}
+            "best_write_pattern": max(write, key=write.get), "best_read_pattern": max(read, key=read.get)}
+
+
+def parse(label: str) -> Pattern:
+    """The pattern a label names (the inverse of `Pattern.label`)."""
+    head, _, tail = label.partition("-")
+    request, inflight = head.split("MiBx")
+    return Pattern(int(request) << 20, int(inflight), tail != "nofalloc")
 
 
 def _open(path: str, flags: int, direct: bool):

@@ -95,10 +95,10 @@ def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) ->
 
 
 def _raw_pass(directory: str, total: int, sweep) -> Dict[str, float]:
-    """One raw write and read pass at the depths this round's sweep found best."""
-    wd, rd = (max(sweep[f"{kind}_gib_s"], key=sweep[f"{kind}_gib_s"].get) for kind in ("write", "read"))
-    raw = rawio.file_limits(directory, total, fileio.CHUNK, sorted({wd, rd}))
-    return {"write": raw["write_gib_s"][wd], "read": raw["read_gib_s"][rd]}
+    """One raw write and read pass, over the whole cache's size, in the patterns this round's sweep found best."""
+    wp, rp = (max(sweep[f"{kind}_gib_s"], key=sweep[f"{kind}_gib_s"].get) for kind in ("write", "read"))
+    raw = rawio.file_limits(directory, total, [rawio.parse(label) for label in dict.fromkeys([wp, rp])])
+    return {"write": raw["write_gib_s"][wp], "read": raw["read_gib_s"][rp]}
 
 
 def _round(modes: List[str], args, device, directory: str, k, v, total: int, sweep) -> tuple:
@@ -129,10 +129,12 @@ def run(args) -> Dict[str, object]:
     directory = tempfile.mkdtemp(prefix=".kv_offload-stream-", dir=base)
     k, v = _layer(layer_bytes, device)
     modes = args.tiers.split(",")
+    tried = rawio.patterns(args.requests, args.depths)
+    sweep_bytes = max(min(total, args.sweep_mib << 20) // max(args.requests) * max(args.requests), max(args.requests))
     rounds = []
     try:
         for index in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
-            limits = {"file": rawio.file_limits(directory, total, fileio.CHUNK, args.depths),
+            limits = {"file": rawio.file_limits(directory, sweep_bytes, tried),
                       "ram_gib_s": rawio.ram_limit(layer_bytes)}
             if device.type == "cuda":
                 limits["cuda"] = rawio.cuda_limits(layer_bytes, device)
@@ -147,6 +149,7 @@ def run(args) -> Dict[str, object]:
     fs = fileio.ram_backed(base)
     return {"device": str(device), "directory": base, "filesystem_in_ram": fs, "cache_bytes": total,
             "layer_bytes": layer_bytes, "io_depth": _io_depth(), "chunk_bytes": fileio.CHUNK,
+            "sweep_bytes": sweep_bytes,
             "prefetch_depth": args.prefetch_depth, "compute_ratio": args.compute_ratio, "rounds": args.rounds,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None, "torch": torch.__version__,

@@ -2,8 +2,10 @@
 
 In one run, on one cache (default 1 GiB in 64 MiB layers) and one directory:
 
-1. raw limits: the best `O_DIRECT` write and read throughput over queue depths in that directory, a RAM
-   memcpy, and pinned host<->device copies on CUDA (see `rawio`);
+1. raw limits: the best `O_DIRECT` write and read throughput in that directory over the patterns a careful
+   reader would try (request size, requests in flight, `fallocate` or not, a pre-touched destination ring of at
+   least 4 requests), a RAM memcpy, and pinned host<->device copies on CUDA (see `rawio`); the best pattern is
+   measured again around every file tier, over the whole cache, and the tiers' ratios are taken against it;
 2. per tier: the extraction writes (every `put`, until the last layer is stored — on disk for the file tiers)
    and the get loop (every layer in order, nothing else), each against its raw limit;
 3. per async tier: the same loop with a synthetic compute of `--compute-ratio` x the tier's own per-layer read
@@ -36,7 +38,11 @@ def build_parser() -> cliargs.Parser:
     p.add_argument("--cache-mib", type=int, default=1024, help="size of the whole cache in MiB (default 1024)")
     p.add_argument("--layer-mib", type=int, default=64, help="size of one layer (K and V) in MiB (default 64)")
     p.add_argument("--dir", help="directory for the file tiers and the raw file test (default: the temp dir)")
-    p.add_argument("--depths", default="1,2,4,8,16", help="queue depths of the raw file sweep (default 1,2,4,8,16)")
+    p.add_argument("--depths", default="1,2,4,8,16",
+                   help="requests in flight the raw file sweep tries (default 1,2,4,8,16)")
+    p.add_argument("--requests", default="4,8,16,32", help="request sizes in MiB the raw sweep tries (default 4,8,16,32)")
+    p.add_argument("--sweep-mib", type=int, default=256,
+                   help="file size of each raw sweep pattern, MiB (default 256; at most the cache's size)")
     p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated tiers (default {','.join(TIERS)})")
     p.add_argument("--prefetch-depth", type=int, default=2,
                    help=f"prefetch depth of the async tiers, 1 to {MAX_PREFETCH_DEPTH} (default 2)")
@@ -66,13 +72,24 @@ def check(args, parser) -> None:
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir!r} is not an existing directory; create it first.")
     cliargs.output_folder(parser, "--dir", args.dir or tempfile.gettempdir())
-    try:
-        args.depths = sorted({int(d) for d in args.depths.split(",")})
-    except ValueError:
-        parser.error(f"--depths must be comma-separated integers, e.g. 1,2,4,8; got {args.depths!r}.")
-    if not args.depths or args.depths[0] < 1:
-        parser.error(f"--depths must all be >= 1; got {args.depths}.")
+    args.depths = _integers(parser, "--depths", args.depths, 1, 64, "1,2,4,8")
+    args.requests = [mib << 20 for mib in _integers(parser, "--requests", args.requests, 1, 256, "4,8,16")]
+    if not 1 <= args.sweep_mib <= 1 << 16:
+        parser.error(f"--sweep-mib must be between 1 and 65536; got {args.sweep_mib}.")
+    if max(args.requests) > args.cache_mib << 20:
+        parser.error(f"--requests: {max(args.requests) >> 20} MiB is larger than the cache ({args.cache_mib} MiB); "
+                     "pick smaller requests or a larger --cache-mib.")
     args.device = cliargs.device(parser, args.device)
+
+
+def _integers(parser, option: str, text: str, low: int, high: int, example: str) -> List[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        parser.error(f"{option} must be comma-separated integers, e.g. {example}; got {text!r}.")
+    if not values or values[0] < low or values[-1] > high:
+        parser.error(f"{option} must all be between {low} and {high}; got {values}.")
+    return values
 
 
 def main(argv: List[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 
 from ..places import GiB
+from . import rawio
 
 NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %
 
@@ -24,10 +25,10 @@ def combine(rounds, device: torch.device):
     """Every figure as its median over the interleaved rounds, raw limits and tiers alike.
 
     Each row also gets its ratios: a file tier's against the raw file limit, a RAM tier's against the memcpy
-    (CPU) or pinned H2D (CUDA) figure. The raw file limit (`limit_*_gib_s`) is the best queue depth measured
-    again: the median of the raw passes that bracket the file tiers, each at the depth its round's sweep found
-    best. Not the sweep's best median itself: picking the largest of several near-equal noisy medians and
-    reading off that same sample overstates the disk (the winner's curse) by about its spread; a depth that is
+    (CPU) or pinned H2D (CUDA) figure. The raw file limit (`limit_*_gib_s`) is the best pattern measured
+    again: the median of the raw passes that bracket the file tiers, each in the pattern its round's sweep
+    found best. Not the sweep's best median itself: picking the largest of several near-equal noisy medians and
+    reading off that same sample overstates the disk (the winner's curse) by about its spread; a pattern that is
     really better still wins the sweep, and its fresh passes still show it. Medians, since a best-of figure
     grows with the number of samples it is the best of. The sweep's figures and the best-of ones are kept
     too, and every round's."""
@@ -35,11 +36,11 @@ def combine(rounds, device: torch.device):
     limits = dict(rounds[0][0])
     best_file = dict(files[0])
     for kind in ("write", "read"):
-        per_depth = {d: statistics.median([f[f"{kind}_gib_s"][d] for f in files]) for d in files[0][f"{kind}_gib_s"]}
-        best_file[f"{kind}_gib_s"] = per_depth
-        best_file[f"best_{kind}_depth"] = max(per_depth, key=per_depth.get)
-        best_file[f"best_{kind}_gib_s"] = max(per_depth.values())
-        best_file[f"max_{kind}_gib_s"] = max(max(f[f"{kind}_gib_s"].values()) for f in files)  # any depth, any round
+        per = {p: statistics.median([f[f"{kind}_gib_s"][p] for f in files]) for p in files[0][f"{kind}_gib_s"]}
+        best_file[f"{kind}_gib_s"] = per
+        best_file[f"best_{kind}_pattern"] = max(per, key=per.get)
+        best_file[f"best_{kind}_gib_s"] = max(per.values())
+        best_file[f"max_{kind}_gib_s"] = max(max(f[f"{kind}_gib_s"].values()) for f in files)  # any pattern, round
     passes = [p for f in files for p in f.get("passes", [])]
     for kind in ("write", "read"):
         again = [p[kind] for p in passes]
@@ -92,19 +93,45 @@ def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def sweep_lines(f: dict) -> List[str]:
+    """The raw sweep as a grid: a line per request size, a column per count in flight, each cell write/read
+    GiB/s with `fallocate` and, in brackets, the write without it."""
+    cells: Dict[tuple, dict] = {}
+    for label in f["write_gib_s"]:
+        p = rawio.parse(label)
+        cells.setdefault((p.request, p.inflight), {})[p.fallocate] = (f["write_gib_s"][label], f["read_gib_s"][label])
+    requests = sorted({r for r, _ in cells})
+    inflights = sorted({n for _, n in cells})
+    lines = ["request | " + " | ".join(f"{'x' + str(n):<16}" for n in inflights)]
+    for r in requests:
+        row = []
+        for n in inflights:
+            c = cells.get((r, n))
+            if not c:
+                row.append(f"{'-':<16}")
+                continue
+            w, rd = c.get(True, c.get(False))
+            row.append(f"{w:.2f}/{rd:.2f}" + (f" ({c[False][0]:.2f})" if True in c and False in c else "      "))
+        lines.append(f"{r >> 20:>3} MiB | " + " | ".join(f"{x:<16}" for x in row))
+    return lines
+
+
 def table(result: Dict[str, object]) -> str:
     f = result["limits"]["file"]
-    raw = " ".join(f"qd{d}={w:.2f}/{r:.2f}" for (d, w), r in zip(f["write_gib_s"].items(), f["read_gib_s"].values()))
+    kind = "O_DIRECT" if f["o_direct"] else "buffered, pages dropped"
     lines = [
         f"device {result['device']}, cache {result['cache_bytes'] / GiB:.2f} GiB in {result['layer_bytes'] >> 20} MiB "
         f"layers, directory {result['directory']}" + (f" (on {result['filesystem_in_ram']}: in RAM)"
                                                       if result["filesystem_in_ram"] else ""),
-        f"raw files ({'O_DIRECT' if f['o_direct'] else 'buffered, pages dropped'}, {f['chunk_bytes'] >> 20} MiB "
-        f"requests) write/read GiB/s: {raw}; best write {f['best_write_gib_s']:.2f} (qd{f['best_write_depth']}), "
-        f"best read {f['best_read_gib_s']:.2f} (qd{f['best_read_depth']})",
+        f"raw file patterns ({kind}, a {result.get('sweep_bytes', 0) >> 20} MiB file each, a pre-touched ring of "
+        "max(4, in flight) requests; write/read GiB/s, write without fallocate in brackets; medians of the rounds):",
+        *sweep_lines(f),
+        f"best raw pattern: write {f['best_write_gib_s']:.2f} ({f['best_write_pattern']}), read "
+        f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); the tiers move {result['chunk_bytes'] >> 20} MiB "
+        f"requests, {result['io_depth']} in flight",
         f"raw file limit: write {f['limit_write_gib_s']:.2f}{_span(f['limit_write_range'])}, read "
-        f"{f['limit_read_gib_s']:.2f}{_span(f['limit_read_range'])} GiB/s (the best depth measured again: median of "
-        f"the {f['limit_passes']} raw passes around the file tiers; lowest-highest pass in brackets)",
+        f"{f['limit_read_gib_s']:.2f}{_span(f['limit_read_range'])} GiB/s (the best pattern measured again over the "
+        f"whole cache: median of the {f['limit_passes']} raw passes around the file tiers; lowest-highest in brackets)",
         f"raw RAM memcpy {result['limits']['ram_gib_s']:.2f} GiB/s" + (
             "; pinned H2D {h2d_gib_s:.2f} / D2H {d2h_gib_s:.2f} GiB/s".format(**result["limits"]["cuda"])
             if "cuda" in result["limits"] else ""),
@@ -136,7 +163,7 @@ def table(result: Dict[str, object]) -> str:
             lines += ["", f"note: the disk's raw {' and '.join(moved)} throughput moved by more than "
                           f"{NOISY - 1:.0%} from pass to pass in this run (brackets above): a ratio nearer a target "
                           "than that is not settled by one run of this length; more --rounds narrow the medians."]
-        lines += ["", f"best round against the best raw sample of any depth and round (raw write {f['max_write_gib_s']:.2f}, "
+        lines += ["", f"best round against the best raw sample of any pattern and round (raw write {f['max_write_gib_s']:.2f}, "
                       f"read {f['max_read_gib_s']:.2f} GiB/s): " + "; ".join(
                           f"{r['tier']} put {r['best_put_vs_max_raw']:.0%}, get {r['best_get_vs_max_raw']:.0%}" for r in strict)]
     return "\n".join(lines)

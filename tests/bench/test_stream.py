@@ -12,13 +12,15 @@ from offload_core.bench import stream, streamcli, streamreport
 
 def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
     out = tmp_path / "stream.json"
-    code = offload_main(["stream", "--cache-mib", "16", "--layer-mib", "4", "--depths", "1,2", "--dir", str(tmp_path),
-                         "--json", str(out)])  # as `python -m offload_core stream ...`
+    code = offload_main(["stream", "--cache-mib", "16", "--layer-mib", "4", "--depths", "1,2", "--requests", "2,4",
+                         "--dir", str(tmp_path), "--json", str(out)])  # as `python -m offload_core stream ...`
     assert code == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
     limits = result["limits"]["file"]
-    assert set(limits["read_gib_s"]) == {"1", "2"} and limits["best_read_gib_s"] > 0
+    tried = {f"{r}MiBx{n}{tail}" for r in (2, 4) for n in (1, 2) for tail in ("", "-nofalloc")}
+    assert set(limits["read_gib_s"]) == set(limits["write_gib_s"]) == tried and limits["best_read_gib_s"] > 0
+    assert limits["best_read_pattern"] in tried and result["sweep_bytes"] == 16 << 20
     rows = {r["tier"]: r for r in result["rows"]}
     assert set(rows) == {"ram_sync", "ram_async", "file_sync", "file_async"}
     assert all(r["exact"] for r in rows.values())
@@ -37,6 +39,9 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
     (["--layer-mib", "0"], "--layer-mib must be >= 1"),
     (["--tiers", "ram_sync,disk"], "unknown"),
     (["--depths", "1,x"], "comma-separated integers"),
+    (["--depths", "0,2"], "--depths must all be between 1 and 64"),
+    (["--requests", "2048"], "--requests must all be between 1 and 256"),
+    (["--requests", "64", "--cache-mib", "32", "--layer-mib", "4"], "larger than the cache"),
     (["--dir", "/nonexistent/kv"], "not an existing directory"),
 ])
 def test_bad_options_are_refused_with_the_rule(argv, match, capsys):
@@ -83,7 +88,7 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
         row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
     limits, rows = streamreport.combine(rounds, torch.device("cpu"))
     f = limits["file"]
-    assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_depth"] == 4 and f["best_write_gib_s"] == 1.7
+    assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_pattern"] == 4 and f["best_write_gib_s"] == 1.7
     assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
     assert f["max_write_gib_s"] == 9.5 and f["max_read_gib_s"] == 9.0 and len(limits["rounds"]) == 3
     # The limit the ratios use: the best depth measured again, in the passes around the tiers (not the sweep's
@@ -122,22 +127,24 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
     monkeypatch.setattr(stream.rawio, "file_limits", lambda *a: {"write_gib_s": {1: 1.0}, "read_gib_s": {1: 1.0}})
     monkeypatch.setattr(stream.rawio, "ram_limit", lambda n: 1.0)
     monkeypatch.setattr(streamreport, "combine", lambda rounds, device: ({"file": {}}, []))
-    args = streamcli.build_parser().parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2",
-                                             "--tiers", "file_sync,file_async", "--device", "cpu"])
+    parser = streamcli.build_parser()
+    args = parser.parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2", "--requests", "4",
+                              "--tiers", "file_sync,file_async", "--device", "cpu"])
+    streamcli.check(args, parser)
     stream.run(args)
     assert calls == ["raw", "file_sync", "raw", "file_async", "raw", "raw", "file_async", "raw", "file_sync", "raw"]
 
 
 def _result(write_range, read_range):
-    file = {"write_gib_s": {4: 1.0}, "read_gib_s": {4: 1.0}, "o_direct": True, "chunk_bytes": 8 << 20,
-            "best_write_gib_s": 1.0, "best_read_gib_s": 1.0, "best_write_depth": 4, "best_read_depth": 4,
+    file = {"write_gib_s": {"8MiBx4": 1.0}, "read_gib_s": {"8MiBx4": 1.0}, "o_direct": True,
+            "best_write_gib_s": 1.0, "best_read_gib_s": 1.0, "best_write_pattern": "8MiBx4", "best_read_pattern": "8MiBx4",
             "limit_write_gib_s": 1.0, "limit_read_gib_s": 1.0, "limit_write_range": write_range,
             "limit_read_range": read_range, "limit_passes": 3, "max_write_gib_s": 1.0, "max_read_gib_s": 1.0}
     row = {"tier": "file_sync", "put_gib_s": 0.9, "get_gib_s": 0.95, "put_vs_raw": 0.9, "get_vs_raw": 0.95,
            "read_ms_per_layer": 1.0, "exact": True, "put_vs_paired": 0.91, "get_vs_paired": 0.96,
            "put_vs_paired_range": [0.85, 0.97], "get_vs_paired_range": [0.9, 1.0],
            "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95}
-    return {"device": "cpu", "cache_bytes": 1 << 30, "layer_bytes": 64 << 20, "directory": "/d",
+    return {"device": "cpu", "cache_bytes": 1 << 30, "layer_bytes": 64 << 20, "directory": "/d", "chunk_bytes": 8 << 20,
             "filesystem_in_ram": None, "io_depth": 4, "prefetch_depth": 2, "compute_ratio": 1.5, "rounds": 3,
             "limits": {"file": file, "ram_gib_s": 10.0}, "rows": [row]}
 

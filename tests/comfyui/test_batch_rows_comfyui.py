@@ -5,7 +5,7 @@ capture step, so only the layers before that attention see identical rows)."""
 
 import pytest
 
-from test_integration import LOSSLESS, graph, sampled
+from graph_helpers import LOSSLESS, graph, sampled
 
 pytestmark = pytest.mark.comfyui
 

@@ -18,12 +18,11 @@ from __future__ import annotations
 import json
 import re
 import time
-from pathlib import Path
 
 import pytest
 
 from chromium import PAGE_TIMEOUT_S, READY_JS, close_dialogs, page, shots_dir  # noqa: F401  (`page`: the fixture)
-from test_integration import graph  # the integration suite's tiny FLUX.2 graph
+from graph_helpers import graph  # the tiny FLUX.2 graph of the integration suite
 
 pytestmark = [pytest.mark.browser, pytest.mark.comfyui]
 

@@ -21,14 +21,10 @@ from urllib.parse import quote
 import pytest
 
 from chromium import PAGE_TIMEOUT_S, READY_JS, page  # noqa: F401  (the `page` fixture: headless Chromium)
+from workflow_helpers import FOLDER, FRONTEND_ONLY, NOTES_READY_JS, PACK, ROOT, WORKFLOWS
 
 pytestmark = pytest.mark.comfyui
 
-ROOT = Path(__file__).resolve().parents[2]
-FOLDER = ROOT / "example_workflows"
-WORKFLOWS = sorted(p.stem for p in FOLDER.glob("*.json"))
-PACK = "comfyui-kv-offload"  # the folder name ComfyUI lists the templates under (the conftest's symlink)
-FRONTEND_ONLY = {"MarkdownNote", "Note"}  # defined by the front end, never in /object_info
 NEWER_COMFYUI = {  # node -> (why it is missing here, the slot types the workflows use)
     "TextEncodeQwenImage21": ("Qwen-Image 2.1's text encoder, in ComfyUI versions newer than v0.33.0",
                               {"inputs": {"clip": "CLIP", "vae": "VAE", "images.image_1": "IMAGE"},
@@ -188,10 +184,6 @@ LOAD_JS = """(async (name) => {
   };
 })""" % PACK
 
-
-# Newer front ends register their note types a moment after the rest.
-NOTES_READY_JS = (f"{json.dumps(sorted(FRONTEND_ONLY))}.every((t) => t in "
-                  "(window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph).registered_node_types)")
 
 REPORTED_JS = """(document.getElementById("vue-app").__vue_app__.config.globalProperties.$pinia._s
   .get("missingNodesError").missingNodesError?.nodeTypes ?? []).map((e) => (typeof e === "string" ? e : e.type))"""

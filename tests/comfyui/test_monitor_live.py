@@ -1,7 +1,7 @@
 """The memory monitor against a real ComfyUI: node and files registered, pushes only during a run, silence
 otherwise (the acceptance check: no `kv_offload.*` message for 10 seconds with no run active).
 
-Uses the `comfy` session fixture (conftest.py) and the graph builder of the integration suite (a tiny FLUX.2 on CPU).
+Uses the `comfy` session fixture (conftest.py) and the graphs of graph_helpers.py (a tiny FLUX.2 on CPU).
 Run: COMFYUI_PATH=/path/to/ComfyUI [COMFYUI_PYTHON=/path/to/python] pytest -m comfyui tests/comfyui
 """
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from test_integration import graph  # the integration suite's tiny FLUX.2 graph
+from graph_helpers import graph  # the tiny FLUX.2 graph of the integration suite
 
 websocket = pytest.importorskip("websocket", reason="the monitor tests need websocket-client")
 

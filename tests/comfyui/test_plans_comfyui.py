@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_integration import graph, sampled
+from graph_helpers import graph, sampled
 
 pytestmark = pytest.mark.comfyui
 

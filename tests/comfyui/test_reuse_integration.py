@@ -3,7 +3,7 @@ latents with `reuse` on equal those with it off run after run, and the stats pay
 
 import pytest
 
-from test_integration import graph, sampled
+from graph_helpers import graph, sampled
 
 pytestmark = pytest.mark.comfyui
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from chromium import PAGE_TIMEOUT_S, READY_JS, close_dialogs, page  # noqa: F401  (`page`: the fixture)
-from test_example_workflows import FOLDER, FRONTEND_ONLY, NOTES_READY_JS, PACK, WORKFLOWS
+from workflow_helpers import FOLDER, FRONTEND_ONLY, NOTES_READY_JS, PACK, WORKFLOWS
 
 pytestmark = [pytest.mark.browser, pytest.mark.comfyui]
 

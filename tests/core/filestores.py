@@ -4,12 +4,13 @@ import torch
 
 from offload_core import KVStore, OffloadConfig
 
+from store_helpers import make_layers
+
 MODES = ["file_sync", "file_async"]
 
 
 def layers(n, shape=(1, 2, 256, 64)):
-    gen = torch.Generator().manual_seed(3)
-    return {i: (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for i in range(n)}
+    return make_layers(range(n), torch.float32, seed=3, shape=shape)
 
 
 def file_store(mode, directory, data=None, put=(), **fields):

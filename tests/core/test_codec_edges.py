@@ -7,6 +7,8 @@ import torch
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.codec import Codec, add_error, error_summary
 
+from store_helpers import make_layers, put_all
+
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto", "mixed"]
 LOSSY = ["fp8", "int8"]
 BOUNDS = {"fp8": 0.04, "int8": 0.015}
@@ -25,12 +27,6 @@ def store_for(mode, storage, tmp_path):
     return KVStore(OffloadConfig(mode=mode, storage=storage, **fields), "cpu", host=host)
 
 
-def make_layers(n, dtype=torch.bfloat16, shape=SHAPE, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-            for _ in range(n)]
-
-
 def same_bits(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -41,11 +37,11 @@ def relative(x, y):
 
 
 def serve(store, layers, passes=2):
-    for i, (k, v) in enumerate(layers):
-        store.put(i, k, v)
+    """Puts `layers` ({key: (k, v)}), gets them `passes` times; returns the last pass's copies in order, stats."""
+    put_all(store, layers)
     out = []
     for _ in range(passes):
-        out = [tuple(t.clone() for t in store.get(i)) for i in range(len(layers))]
+        out = [tuple(t.clone() for t in store.get(key)) for key in layers]
     return out, store.stats()
 
 
@@ -56,13 +52,13 @@ POISON = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 @pytest.mark.parametrize("storage", LOSSY)
 @pytest.mark.parametrize("mode", MODES)
 def test_non_finite_values_keep_their_layer_exact(mode, storage, value, tmp_path, ordering):
-    layers = make_layers(4)
+    layers = make_layers(range(4), shape=SHAPE)
     layers[1][0][0, 5, 1, 7] = POISON[value]  # one value of one (token, head) vector of layer 1's K
     with store_for(mode, storage, tmp_path) as store:
         served, stats = serve(store, layers)
     # Layer 1 comes back exactly as put: the bad value kept, its neighbours untouched.
     assert same_bits(served[1][0], layers[1][0]) and same_bits(served[1][1], layers[1][1])
-    for (k, v), (k0, v0) in zip(served[::2], layers[::2]):  # the other layers are encoded as usual
+    for (k, v), (k0, v0) in zip(served[::2], (layers[0], layers[2])):  # the other layers are encoded as usual
         assert not same_bits(k, k0) and relative(k0, k) <= BOUNDS[storage] and relative(v0, v) <= BOUNDS[storage]
     error = stats["kv_error"]
     assert error["exact_layers"] == 1 and "NaN or inf" in error["exact_why"]
@@ -73,13 +69,13 @@ def test_non_finite_values_keep_their_layer_exact(mode, storage, value, tmp_path
 @pytest.mark.parametrize("mode", MODES)
 def test_huge_magnitudes_are_encoded_and_their_error_is_true(mode, storage, tmp_path, ordering):
     # About 1e20 in float32: (x - x')^2 and x^2 overflow float32 when summed as they are.
-    layers = [(k.float() * 1e20, v.float() * 1e20) for k, v in make_layers(3)]
+    layers = {key: (k.float() * 1e20, v.float() * 1e20) for key, (k, v) in make_layers(range(3), shape=SHAPE).items()}
     with store_for(mode, storage, tmp_path) as store:
         served, stats = serve(store, layers)
     error = stats["kv_error"]
-    true_rel = relative(torch.cat([t.flatten() for kv in layers for t in kv]),
+    true_rel = relative(torch.cat([t.flatten() for kv in layers.values() for t in kv]),
                         torch.cat([t.flatten() for kv in served for t in kv]))
-    true_max = max((a.double() - b.double()).abs().max().item() for kv0, kv in zip(layers, served)
+    true_max = max((a.double() - b.double()).abs().max().item() for kv0, kv in zip(layers.values(), served)
                    for a, b in zip(kv0, kv))
     assert error["exact_layers"] == 0 and error["exact_why"] is None
     assert 0 < true_rel <= BOUNDS[storage]
@@ -90,12 +86,12 @@ def test_huge_magnitudes_are_encoded_and_their_error_is_true(mode, storage, tmp_
 @pytest.mark.parametrize("storage", ["exact", *LOSSY])
 @pytest.mark.parametrize("mode", MODES)
 def test_layers_of_no_tokens(mode, storage, tmp_path, ordering):
-    full = make_layers(2)
+    full = make_layers(range(2), shape=SHAPE)
     empty = (torch.empty(1, 0, 2, 32, dtype=torch.bfloat16), torch.empty(1, 0, 2, 32, dtype=torch.bfloat16))
-    layers = [full[0], empty, full[1], empty]
+    layers = {0: full[0], 1: empty, 2: full[1], 3: empty}
     with store_for(mode, storage, tmp_path) as store:
         served, stats = serve(store, layers, passes=3)
-    for (k, v), (k0, v0) in zip(served, layers):
+    for (k, v), (k0, v0) in zip(served, layers.values()):
         assert k.shape == k0.shape and v.shape == v0.shape and k.dtype == k0.dtype
     assert stats["layers"] == 4 and sum(stats["plan"].values()) == 4
     if storage != "exact":
@@ -104,7 +100,7 @@ def test_layers_of_no_tokens(mode, storage, tmp_path, ordering):
 
 @pytest.mark.parametrize("storage", LOSSY)
 def test_put_reads_float32_k_and_v_without_writing_them(storage):
-    k, v = make_layers(1, torch.float32)[0]
+    k, v = make_layers([0], torch.float32, shape=SHAPE)[0]
     k0, v0 = k.clone(), v.clone()
     with KVStore(OffloadConfig(mode="gpu", storage=storage), "cpu") as store:
         store.put(0, k, v)
@@ -152,7 +148,6 @@ def test_a_first_layer_of_no_tokens_does_not_size_the_plan(storage):
     config = OffloadConfig(mode="ram_sync", storage=storage, device_budget=2 * LAYER)
     with KVStore(config, "cpu", expected_bytes=1 << 21) as store:  # small enough to fail fast without the guard
         store.put(0, empty, empty)
-        for i, (k, v) in enumerate(make_layers(3), start=1):
-            store.put(i, k, v)
+        put_all(store, make_layers(range(1, 4), shape=SHAPE))
         assert len(store.plan.places) <= 60 and store.stats()["plan"]["device"] >= 1
         assert store.get(0)[0].shape == empty.shape and store.get(2)[0].shape == SHAPE

@@ -5,42 +5,21 @@ import os
 import pytest
 import torch
 
-from offload_core import KVStore, Mode, OffloadConfig
+from offload_core import KVStore, OffloadConfig
 
-SMALL = 8192  # one bf16 / fp16 layer of make_layers' default shape (K and V, each 4 KiB-aligned); fp32: twice
-# Mixed placements: every lossless plan must serve exactly what the single tiers serve.
-PLANS = {
-    "device+ram": {"mode": "ram_async", "device_budget": 2 * SMALL},
-    "device+file": {"mode": "file_async", "device_budget": 2 * SMALL},
-    "ram+file": {"mode": "ram_sync", "host_budget": 2 * SMALL},
-    "device+ram+file": {"mode": "ram_async", "device_budget": 2 * SMALL, "host_budget": 2 * SMALL},
-}
-TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", *PLANS]
+from store_helpers import PLANS, TIERS, config_for, make_layers, put_all
+
 PLACE_OF = {"device": ("device",), "ram": ("host_pinned", "host_pageable"), "file": ("file",)}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_layers(keys, dtype, seed=0, shape=(1, 2, 37, 16)):
-    gen = torch.Generator().manual_seed(seed)
-    return {key: (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
-            for key in keys}
 
 
 def mode_of(name):
     return PLANS.get(name, {"mode": name})["mode"]
 
 
-def config_for(name, tmp_path):
-    fields = dict(PLANS.get(name, {"mode": name}))
-    if Mode(fields["mode"]).is_file or "host_budget" in fields:
-        fields["file_dir"] = str(tmp_path)
-    return OffloadConfig(**fields)
-
-
 def put_then_get(store, layers, passes):
     """Puts every layer, then gets them all `passes` times in order: yields (expected k, v, got k, v)."""
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     for _ in range(passes):
         for key, (k, v) in layers.items():
             yield (k, v, *store.get(key))
@@ -141,8 +120,7 @@ def test_source_mutated_after_put_does_not_reach_the_store(mode, tmp_path):
 def test_close_leaves_no_file_and_no_buffer(mode, tmp_path):
     layers = make_layers(range(4), torch.float16, seed=3)
     store = KVStore(config_for(mode, tmp_path), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     store.get(0)
     allocators = (store._allocator, store._pageable)
     assert store.stats()["bytes"] != {"device": 0, "host_pinned": 0, "host_pageable": 0, "file": 0}
@@ -162,8 +140,7 @@ def test_exception_mid_request_cleans_up(mode, tmp_path):
     layers = make_layers(range(5), torch.bfloat16, seed=4)
     with pytest.raises(KeyboardInterrupt):
         with KVStore(config_for(mode, tmp_path), "cpu") as store:
-            for key, (k, v) in layers.items():
-                store.put(key, k, v)
+            put_all(store, layers)
             store.get(0)
             store.get(1)  # a prefetch of layer 2 is in flight on the async tiers
             raise KeyboardInterrupt
@@ -207,8 +184,7 @@ def test_prefetch_keeps_at_most_depth_plus_one_layers_on_the_device(mode, depth,
 def test_sync_tiers_hold_one_layer_on_the_device(mode, tmp_path):
     layers = make_layers(range(8), torch.float32, seed=6)
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         for key in layers:
             store.get(key)
         assert store.stats()["peak_resident_layers"] == 1
@@ -217,8 +193,7 @@ def test_sync_tiers_hold_one_layer_on_the_device(mode, tmp_path):
 def test_gpu_tier_keeps_everything_resident():
     layers = make_layers(range(8), torch.float32, seed=7)
     with KVStore(OffloadConfig(mode="gpu"), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         stats = store.stats()
     assert stats["peak_resident_layers"] == 8
     assert stats["peak_device_bytes"] == sum(k.nbytes + v.nbytes for k, v in layers.values())
@@ -244,8 +219,7 @@ def test_prefetch_recovers_from_skipped_layers_and_repeated_gets(mode, tmp_path)
     # Step 0 uses every layer; later steps skip layer 2 (a branch dropping a block) and ask for layer 0 twice.
     layers = make_layers(range(6), torch.float32, seed=9, shape=(1, 1, 8, 8))
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         for key in range(6):
             store.get(key)
         for step in range(4):
@@ -262,8 +236,7 @@ def test_prefetch_recovers_from_skipped_layers_and_repeated_gets(mode, tmp_path)
 def test_a_failed_load_is_never_served_later(mode, tmp_path):
     layers = make_layers(range(4), torch.float32, seed=10)
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         store.flush()  # every write is done
         assert torch.equal(store.get(0)[0], layers[0][0])
         os.unlink(os.path.join(store.stats()["file_dir"], "layer-00002.safetensors"))

@@ -6,6 +6,8 @@ import torch
 from offload_core import KVStore, Mode, OffloadConfig
 from offload_core.dedup import identical_rows
 
+from store_helpers import put_all
+
 # One row of K (or V): 256 KiB in fp32, 128 KiB in bf16, so that what a place adds per layer or per store (a
 # file's 4 KiB header, the write staging) stays within the 1 % of slack the kept bytes are allowed.
 ROW = (1, 1024, 2, 32)
@@ -37,8 +39,7 @@ def kept_bytes(stats):
 
 def run(store, layers, passes=3):
     """Puts every layer, gets them `passes` times in order; asserts every get is bit-identical to the put."""
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     moved = []
     for _ in range(passes):
         before = store.stats()["transfers"]["bytes"]
@@ -84,8 +85,7 @@ def test_compact_storage_encodes_the_one_row(mode, tmp_path):
     stores = {}
     for dedup in (None, False):
         with KVStore(config_for(mode, tmp_path, storage="int8", dedup=dedup), "cpu") as store:
-            for key, (k, v) in layers.items():
-                store.put(key, k, v)
+            put_all(store, layers)
             store.flush()  # every background write counted
             stores[dedup] = (store.stats(), [store.get(key) for key in layers][-1][0].clone())
     (deduped, last), (whole, last_whole) = stores[None], stores[False]
@@ -152,8 +152,7 @@ def test_gpu_mode_keeps_one_row_on_the_device_and_serves_it_through_one_slot():
 def test_a_consumer_writing_into_a_broadcast_layer_is_refused(tmp_path):
     layers = {i: batch(2, seed=i) for i in range(3)}
     with KVStore(OffloadConfig(mode="gpu"), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         store.get(0)[0].add_(1)
         with pytest.raises(RuntimeError, match="modified in place"):
             store.get(1)
@@ -198,8 +197,7 @@ def test_the_broadcast_is_ordered_between_the_copy_and_the_kernels_reading_it(ma
     sim = make_sim("early")
     layers = {0: batch(4, seed=0), 1: batch(2, seed=1), 2: _differs("k"), 3: batch(3, seed=3, row=(1, 9, 2, 16))}
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         sim.synchronize()
         seen = []
         for key in list(layers) * 3:
@@ -217,8 +215,7 @@ def test_a_row_the_codec_cannot_hold_is_kept_exact_and_still_once(mode, tmp_path
     k[:, 3, 1, 2] = float("nan")
     layers = {0: (k, v), 1: batch(4, seed=9)}
     with KVStore(config_for(mode, tmp_path, storage="int8"), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         got_k, got_v = store.get(0)
         assert torch.equal(got_k.view(torch.int32), layers[0][0].view(torch.int32))
         assert torch.equal(got_v, layers[0][1]) and store.get(1)[0].shape == layers[1][0].shape

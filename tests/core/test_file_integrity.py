@@ -13,15 +13,15 @@ import torch
 from offload_core import KVFileError, KVStore, OffloadConfig
 from offload_core.tiers import fileio, fileos
 
+from store_helpers import make_layers, put_all
+
 MODES = ["file_sync", "file_async"]
 
 
 def filled_store(mode, directory, n=3, shape=(1, 2, 300, 64)):
-    gen = torch.Generator().manual_seed(5)
-    layers = {i: (torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)) for i in range(n)}
+    layers = make_layers(range(n), torch.float32, seed=5, shape=shape)
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(directory)), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     k, v = store.get(0)
     assert torch.equal(k, layers[0][0]) and torch.equal(v, layers[0][1])
     store.flush()  # every file is on disk before a test damages one

@@ -11,14 +11,13 @@ from safetensors.torch import load_file
 
 from offload_core import KVFileError, KVStore, OffloadConfig
 
+from store_helpers import make_layers, put_all
+
 
 def filled_store(mode, tmp_path, n=3, dtype=torch.bfloat16):
-    gen = torch.Generator().manual_seed(11)
-    layers = {i: (torch.randn(1, 2, 33, 16, generator=gen).to(dtype), torch.randn(1, 2, 33, 16, generator=gen).to(dtype))
-              for i in range(n)}
+    layers = make_layers(range(n), dtype, seed=11, shape=(1, 2, 33, 16))
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     return store, layers
 
 

@@ -12,7 +12,7 @@ from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.tiers import Pending
 from offload_core.tiers import fileread as file_tier
 
-from test_contract import TIERS, config_for, make_layers
+from store_helpers import TIERS, config_for, make_layers, put_all
 
 
 def run_in_thread(fn):
@@ -35,8 +35,7 @@ def run_in_thread(fn):
 def test_a_second_thread_gets_a_clear_error_never_another_layers_data(mode, tmp_path):
     layers = make_layers(range(4), torch.float32, seed=20)
     with KVStore(config_for(mode, tmp_path), "cpu", name="cond") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         assert torch.equal(store.get(0)[0], layers[0][0])
         for call in (lambda: store.get(1), lambda: store.put(9, *layers[0])):
             box = run_in_thread(call)
@@ -50,8 +49,7 @@ def test_a_second_thread_gets_a_clear_error_never_another_layers_data(mode, tmp_
 def test_close_from_another_thread_ends_the_store_for_its_consumer(tmp_path):
     layers = make_layers(range(3), torch.float32, seed=21)
     store = KVStore(config_for("ram_async", tmp_path), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     store.get(0)
     assert "error" not in run_in_thread(store.close)
     with pytest.raises(RuntimeError, match="closed"):
@@ -62,8 +60,7 @@ def test_close_from_another_thread_ends_the_store_for_its_consumer(tmp_path):
 def test_close_from_another_thread_waits_for_the_get_in_progress():
     layers = make_layers(range(3), torch.float32, seed=26)
     store = KVStore(OffloadConfig(mode="ram_sync"), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     inside, go_on = threading.Event(), threading.Event()
     tier = store._tiers["host_pageable"]  # ram_sync keeps every layer in pageable RAM
     load = tier.load
@@ -110,8 +107,7 @@ def test_stats_from_a_monitoring_thread_during_puts_and_gets(mode, tmp_path):
     thread = threading.Thread(target=monitor)
     thread.start()
     try:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         for _ in range(2):
             for key in layers:
                 assert torch.equal(store.get(key)[0], layers[key][0])
@@ -128,8 +124,7 @@ def test_stats_from_a_monitoring_thread_during_puts_and_gets(mode, tmp_path):
 def test_an_in_place_write_into_a_get_is_refused_the_same_way_on_every_tier(mode, next_key, tmp_path):
     layers = make_layers(range(3), torch.float32, seed=23)
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         k, v = store.get(0)
         k.add_(1.0)  # a consumer that writes into what the store returned
         with pytest.raises(RuntimeError, match="layer 0 .* modified in place"):
@@ -148,8 +143,7 @@ def test_an_in_place_write_into_a_get_is_refused_the_same_way_on_every_tier(mode
 def test_gpu_tier_refuses_a_layer_written_after_a_later_get():
     layers = make_layers(range(3), torch.float32, seed=24)
     with KVStore(OffloadConfig(mode="gpu"), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         _, v0 = store.get(0)
         store.get(1)
         v0.zero_()  # too late for the next get to notice, but the layer itself remembers
@@ -212,8 +206,7 @@ def test_close_never_raises_a_background_jobs_interrupt(tmp_path, monkeypatch):
 
     monkeypatch.setattr(file_tier, "open_checked", read)
     store = KVStore(config_for("file_async", tmp_path), "cpu")
-    for key, (k, v) in layers.items():
-        store.put(key, k, v)
+    put_all(store, layers)
     store.get(0)
     store.get(1)  # prefetches layer 2, whose read is interrupted in the background
     store._ring.holding(2).pending._future.exception(timeout=60)

@@ -13,7 +13,7 @@ from offload_core import KVStore, OffloadConfig
 from offload_core.tiers import fileread as file_tier
 
 from ordering_helpers import read_back
-from test_contract import make_layers
+from store_helpers import make_layers, put_all
 
 ASYNC = ["ram_async", "file_async"]
 
@@ -34,8 +34,7 @@ def test_a_slot_is_overwritten_only_after_the_kernels_reading_it(make_sim, mode,
     sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=30)
     with KVStore(config(mode, tmp_path, depth), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         sim.synchronize()
         assert_exact(read_back(sim, store, list(range(6)) * 3), layers)
 
@@ -60,8 +59,7 @@ def test_offloading_keeps_at_most_depth_plus_one_snapshots_on_the_device(make_si
     sim = make_sim("late")
     layers = make_layers(range(12), torch.float32, seed=32)
     with KVStore(OffloadConfig(mode="ram_async", prefetch_depth=depth), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         one = store._layouts[0].data_bytes
         assert sim.peak_held_bytes <= (depth + 2) * one  # the new snapshot + depth + 1 in flight
         assert_exact(read_back(sim, store, range(12)), layers)
@@ -72,8 +70,7 @@ def test_closing_right_after_the_puts_waits_for_the_offloads(make_sim, mode, tmp
     # Guards the drain before freeing in `_close_tier`: copies into host buffers still queued at close.
     sim = make_sim("late")
     store = KVStore(config(mode, tmp_path, 3), "cpu")
-    for key, (k, v) in make_layers(range(6), torch.float32, seed=33).items():
-        store.put(key, k, v)
+    put_all(store, make_layers(range(6), torch.float32, seed=33))
     store.close()
     sim.synchronize()
     assert sim.violations == []
@@ -82,8 +79,7 @@ def test_closing_right_after_the_puts_waits_for_the_offloads(make_sim, mode, tmp
 def test_a_store_dropped_without_close_still_frees_after_its_copies(make_sim):
     sim = make_sim("late")
     store = KVStore(OffloadConfig(mode="ram_async", prefetch_depth=2), "cpu")
-    for key, (k, v) in make_layers(range(4), torch.float32, seed=34).items():
-        store.put(key, k, v)
+    put_all(store, make_layers(range(4), torch.float32, seed=34))
     del store
     gc.collect()
     sim.synchronize()
@@ -98,8 +94,7 @@ def test_a_slot_grows_only_after_the_copy_into_it_finished(make_sim, mode, tmp_p
     layers = {i: (torch.randn(1, 2, 8 + 40 * i, 16, generator=gen), torch.randn(1, 2, 8 + 40 * i, 16, generator=gen))
               for i in range(6)}  # each layer bigger than the one before: every reuse grows a slot
     with KVStore(config(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         seen = read_back(sim, store, [0, 3, 4, 5, 1, 2])  # a jump: the prefetch of 1 is dropped unread
         assert sim.violations == []
         assert_exact(seen, layers)
@@ -112,8 +107,7 @@ def test_a_new_slot_waits_for_the_kernels_still_using_its_memory(make_sim, mode,
     sim = make_sim("early")
     layers = make_layers(range(3), torch.float32, seed=38)
     with KVStore(config(mode, tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         sim.synchronize()
         scratch, seen = sim.empty(store._layouts[0].data_bytes), []
         sim.launch(lambda t: t.fill_(7), scratch)  # the consumer's own work on its own buffer...
@@ -128,8 +122,7 @@ def test_an_interrupted_prefetch_never_serves_the_wrong_layer_later(make_sim):
     sim = make_sim("early")
     layers = make_layers(range(6), torch.float32, seed=36)
     with KVStore(OffloadConfig(mode="ram_async"), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         read_back(sim, store, range(6))  # the order is learned; layer 0 is prefetched for the next step
         read_back(sim, store, [0, 1])  # layer 2 is in flight now
         target = store._ring.holding(2).buffer.data_ptr()
@@ -158,8 +151,7 @@ def test_a_failed_read_is_retried_by_the_next_get_not_remembered(tmp_path, monke
 
     monkeypatch.setattr(file_tier, "open_checked", flaky_read)
     with KVStore(config("file_async", tmp_path), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         store.get(0)
         store.get(1)  # prefetches layer 2: that read fails
         with pytest.raises(OSError, match="transient"):

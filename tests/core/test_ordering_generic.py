@@ -13,7 +13,7 @@ from offload_core.hostmem import HostAllocator
 from offload_core.tiers.staging import StagingPool
 
 from ordering_helpers import read_back
-from test_contract import make_layers
+from store_helpers import make_layers, put_all
 
 
 def test_a_chunk_is_written_only_after_its_copy_into_the_staging_buffer(make_sim, tmp_path):
@@ -23,8 +23,7 @@ def test_a_chunk_is_written_only_after_its_copy_into_the_staging_buffer(make_sim
     sim = make_sim("early")
     layers = make_layers(range(3), torch.float32, seed=40)
     with KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         store.flush()
         sim.synchronize()
         for key, k, v in read_back(sim, store, range(3)):
@@ -70,8 +69,7 @@ def test_an_xpu_store_schedules_and_fences_like_cuda(make_sim, device, schedule,
     layers = make_layers(range(4), torch.float32, seed=41)
     monkeypatch.setattr(devices, "streams_factory", sim.streams)
     with KVStore(OffloadConfig(mode="ram_async", prefetch_depth=2), "cpu") as store:
-        for key, (k, v) in layers.items():
-            store.put(key, k, v)
+        put_all(store, layers)
         for key, k, v in read_back(sim, store, list(range(4)) * 2):
             assert torch.equal(k, layers[key][0]) and torch.equal(v, layers[key][1])
     assert len(sim.api.made) > made and {m.split(":")[0] for m in sim.api.made[made:]} == {"stream", "event"}

@@ -8,28 +8,25 @@ from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.plan import RESERVE_BYTES, GiB
 from offload_core.tiers import file, fileio
 
+from store_helpers import make_layers, put_all
+
 SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout
 LAYER = 16384
 N = 32
 
 
-def make_layers(n=N, dtype=torch.bfloat16, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(SHAPE, generator=gen).to(dtype), torch.randn(SHAPE, generator=gen).to(dtype))
-            for _ in range(n)]
-
-
 def run(config, layers, steps=3, host=None, expected=None, check=lambda store: None):
-    """Put every layer, then `steps` passes of gets; returns (what each pass served, last stats)."""
+    """Put every layer of `layers` ({key: (k, v)}), then `steps` passes of gets; returns (what each pass served,
+    in `layers`' order, last stats)."""
     served = []
     with KVStore(config, "cpu", host=host, expected_bytes=expected) as store:
-        for i, (k, v) in enumerate(layers):
-            store.put(i, k, v)
+        for key, (k, v) in layers.items():
+            store.put(key, k, v)
             check(store)
         for _ in range(steps):
             out = []
-            for i in range(len(layers)):
-                k, v = store.get(i)
+            for key in layers:
+                k, v = store.get(key)
                 out.append((k.clone(), v.clone()))
                 check(store)
             served.append(out)
@@ -49,7 +46,7 @@ PLANS = [
 def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
     config = OffloadConfig(file_dir=str(tmp_path) if fields["mode"].startswith("file") or "host_budget" in fields
                            else None, **fields)
-    layers = make_layers()
+    layers = make_layers(range(N), shape=SHAPE)
     depth = config.depth
     # The file place's staging: read buffers (header + data each), and until the writes in flight at the first
     # get have finished (the next load frees them), the write ring too (a chunk, at most, per buffer).
@@ -64,7 +61,7 @@ def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
 
     served, stats = run(config, layers, check=check)
     for out in served:
-        for (k, v), (k0, v0) in zip(out, layers):
+        for (k, v), (k0, v0) in zip(out, layers.values()):
             assert torch.equal(k, k0) and torch.equal(v, v0)
     resident = stats["plan"]["device"]
     assert stats["peak_resident_layers"] <= resident + depth + 1
@@ -99,21 +96,22 @@ def test_auto_builds_a_full_plan_from_free_figures(discrete_device, free_device,
                                                    ordering):
     host = HostServices(free_device_memory=lambda d: free_device, free_host_memory=lambda: free_host,
                         temp_dir=lambda: str(tmp_path))
-    layers = make_layers()
+    layers = make_layers(range(N), shape=SHAPE)
     served, stats = run(OffloadConfig(mode="auto"), layers, steps=2, host=host, expected=N * LAYER)
     # Pinned where copies are asynchronous (the CUDA model), pageable on the plain CPU path.
     ram = "host_pinned" if ordering is not None else "host_pageable"
     assert {place: n for place, n in stats["plan"].items() if n} == {ram if p == "ram" else p: n
                                                                     for p, n in expect.items()}
     assert stats["reason"].startswith("auto: ") and words in stats["reason"], stats["reason"]
-    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], layers))
+    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], layers.values()))
 
 
 def test_auto_on_unified_memory_never_plans_ram(monkeypatch, tmp_path):
     monkeypatch.setattr(store_module, "same_pool_reason", lambda device: "unified memory (stand-in)")
     host = HostServices(free_device_memory=lambda d: room_for(6), free_host_memory=lambda: 64 * GiB,
                         temp_dir=lambda: str(tmp_path))
-    _, stats = run(OffloadConfig(mode="auto"), make_layers(), steps=1, host=host, expected=N * LAYER)
+    _, stats = run(OffloadConfig(mode="auto"), make_layers(range(N), shape=SHAPE), steps=1, host=host,
+                   expected=N * LAYER)
     assert stats["plan"]["host_pinned"] == stats["plan"]["host_pageable"] == 0 and stats["plan"]["file"] > 0
     assert "RAM places disabled, unified memory (stand-in)" in stats["reason"]
 
@@ -121,17 +119,16 @@ def test_auto_on_unified_memory_never_plans_ram(monkeypatch, tmp_path):
 def test_layers_beyond_the_expectation_respect_the_budgets(tmp_path, ordering):
     # Told 4 layers, given 32: the device keeps what its budget allows, RAM its budget, the rest goes to files.
     config = OffloadConfig(mode="ram_async", device_budget=3 * LAYER, host_budget=5 * LAYER, file_dir=str(tmp_path))
-    served, stats = run(config, make_layers(), steps=2, expected=4 * 2 * 8192)
+    served, stats = run(config, make_layers(range(N), shape=SHAPE), steps=2, expected=4 * 2 * 8192)
     ram = stats["plan"]["host_pinned"] + stats["plan"]["host_pageable"]
     assert (stats["plan"]["device"], ram, stats["plan"]["file"]) == (3, 5, 24)
-    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], make_layers()))
+    assert all(torch.equal(k, k0) for (k, _), (k0, _) in zip(served[-1], make_layers(range(N), shape=SHAPE).values()))
 
 
 @pytest.mark.parametrize("storage", ["fp8", "int8"])
 def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_path):
-    gen = torch.Generator().manual_seed(3)
-    layers = [(torch.randn(1, 8, 64, 128, generator=gen).bfloat16(), torch.randn(1, 8, 64, 128, generator=gen).bfloat16())
-              for _ in range(4)]  # K 128 KiB: the 4 KiB alignment of a flat layout costs < 4 % of the encoded bytes
+    # K 128 KiB: the 4 KiB alignment of a flat layout costs < 4 % of the encoded bytes
+    layers = make_layers(range(4), torch.bfloat16, seed=3, shape=(1, 8, 64, 128))
     layer = 2 * 8 * 64 * 128 * 2
     exact = run(OffloadConfig(mode="gpu"), layers, steps=1)[1]["stored_bytes"]["device"]
     configs = {
@@ -153,13 +150,13 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
     assert results["mixed"][1]["plan"] == {"device": 1, "host_pinned": results["mixed"][1]["plan"]["host_pinned"],
                                            "host_pageable": results["mixed"][1]["plan"]["host_pageable"], "file": 2}
     bound = {"fp8": 0.04, "int8": 0.015}[storage]
-    for (k, v), (k0, v0) in zip(gpu_served[-1], layers):
+    for (k, v), (k0, v0) in zip(gpu_served[-1], layers.values()):
         assert k.dtype == k0.dtype and k.shape == k0.shape
         assert ((k.float() - k0.float()).norm() / k0.float().norm()) <= bound
         assert ((v.float() - v0.float()).norm() / v0.float().norm()) <= bound
     error = gpu_stats["kv_error"]  # measured at put, over every layer's K and V
     assert 0 < error["relative"] <= bound and 0 < error["max_abs"] < 1
-    worst = max((k.float() - k0.float()).abs().max().item() for (k, _), (k0, _) in zip(gpu_served[-1], layers))
+    worst = max((k.float() - k0.float()).abs().max().item() for (k, _), (k0, _) in zip(gpu_served[-1], layers.values()))
     assert worst <= error["max_abs"]
     assert results["ram"][1]["kv_error"] == pytest.approx(error)
     for name, (served, _) in results.items():
@@ -176,8 +173,7 @@ def test_fp8_on_mps_is_refused_before_anything_is_allocated():
 def test_a_failing_tier_close_still_closes_the_other_places(tmp_path):
     config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
     store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
-    for i, (k, v) in enumerate(make_layers(4)):
-        store.put(i, k, v)
+    put_all(store, make_layers(range(4), shape=SHAPE))
     assert set(store._tiers) == {"device", "host_pageable", "file"} and len(list(tmp_path.iterdir())) == 1
 
     def broken():

@@ -4,7 +4,6 @@ With reuse off; what reuse keeps past a request (host and file copies, nothing o
 test_reuse_lifetime.py.
 """
 
-import gc
 import os
 
 import pytest
@@ -12,37 +11,11 @@ import pytest
 from offload_core.bench import models
 from offload_core.diffusers import enable_kv_offload
 
+from lifetime_helpers import Boom, DecodeProbe, raise_at_step, resident_prefix_tensors
+
 LOSSLESS_MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
 STEPS, RES = 3, 64
-
-
-def _resident_prefix_tensors():
-    """Layer caches (upstream classes and ours) that hold K/V tensors right now."""
-    from diffusers.models.transformers.transformer_flux2 import Flux2KVLayerCache
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
-
-    held = []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), QwenImage21KVLayerCache) and obj.k is not None:
-            held.append(obj)
-        elif issubclass(type(obj), Flux2KVLayerCache) and obj.k_ref is not None:
-            held.append(obj)
-    return held
-
-
-class DecodeProbe:
-    """Wraps `vae.decode` on the class (under the adapter's instance guard) and records what is alive."""
-
-    def __init__(self, monkeypatch, vae, store_log):
-        self.calls = []
-        original = type(vae).decode
-
-        def decode(vae_self, *args, **kwargs):
-            self.calls.append((len(store_log.live), len(_resident_prefix_tensors())))
-            return original(vae_self, *args, **kwargs)
-
-        monkeypatch.setattr(type(vae), "decode", decode)
 
 
 @pytest.mark.parametrize("mode", LOSSLESS_MODES)
@@ -79,36 +52,23 @@ def test_modular_qwen21_no_store_alive_while_vae_decodes(images, store_log, monk
     assert len(store_log.stores) == 2 and probe.calls == [(0, 0)]
 
 
-class Boom(RuntimeError):
-    pass
-
-
-def _raise_at_step(step):
-    def callback(pipe, i, t, kwargs):
-        if i == step:
-            raise Boom(f"raised inside the denoising loop at step {i}")
-        return kwargs
-
-    return callback
-
-
 @pytest.mark.parametrize("mode", ["file_sync", "file_async", "ram_async", "gpu"])
 def test_exception_in_loop_leaves_no_store_and_no_files(qwen_pipe, images, store_log, tmp_path, mode):
     fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
     enable_kv_offload(qwen_pipe, mode, **fields)
     args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     with pytest.raises(Boom):
-        qwen_pipe(**args, callback_on_step_end=_raise_at_step(1))
+        qwen_pipe(**args, callback_on_step_end=raise_at_step(1))
     assert len(store_log.stores) == 2 and store_log.live == []
     assert os.listdir(tmp_path) == []
-    assert _resident_prefix_tensors() == []
+    assert resident_prefix_tensors() == []
 
 
 def test_flux2_exception_in_loop_leaves_no_store_and_no_files(flux_pipe, images, store_log, tmp_path):
     enable_kv_offload(flux_pipe, "file_async", file_dir=str(tmp_path))
     args = models.call_kwargs(flux_pipe, images[:1], steps=STEPS, resolution=RES)
     with pytest.raises(Boom):
-        flux_pipe(**args, callback_on_step_end=_raise_at_step(1))
+        flux_pipe(**args, callback_on_step_end=raise_at_step(1))
     assert len(store_log.stores) == 1 and store_log.live == []
     assert os.listdir(tmp_path) == []
 
@@ -143,7 +103,7 @@ def test_failed_close_does_not_hide_the_pipelines_exception(qwen_pipe, images, s
     real_close = KVStore.close
     monkeypatch.setattr(KVStore, "close", broken_close)
     with pytest.raises(Boom):
-        qwen_pipe(**args, callback_on_step_end=_raise_at_step(1))
+        qwen_pipe(**args, callback_on_step_end=raise_at_step(1))
     monkeypatch.setattr(KVStore, "close", real_close)
     for store in store_log.stores:
         store.close()

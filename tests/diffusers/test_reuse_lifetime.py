@@ -8,7 +8,7 @@ import pytest
 from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
 
-from test_diffusers_lifetime import Boom, DecodeProbe, _raise_at_step, _resident_prefix_tensors
+from lifetime_helpers import Boom, raise_at_step, resident_prefix_tensors
 
 STEPS, RES = 2, 64
 
@@ -29,7 +29,7 @@ def test_kept_stores_hold_nothing_on_the_device_while_vae_decodes(qwen_pipe, ima
     original = type(qwen_pipe.vae).decode
 
     def decode(vae, *args, **kwargs):
-        seen.append((len(store_log.live), len(_on_device(store_log)), len(_resident_prefix_tensors())))
+        seen.append((len(store_log.live), len(_on_device(store_log)), len(resident_prefix_tensors())))
         return original(vae, *args, **kwargs)
 
     monkeypatch.setattr(type(qwen_pipe.vae), "decode", decode)
@@ -81,15 +81,15 @@ def test_a_request_failing_on_a_hit_evicts_what_it_read(qwen_pipe, images, store
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     with pytest.raises(Boom):
-        qwen_pipe(**args, callback_on_step_end=_raise_at_step(0))
+        qwen_pipe(**args, callback_on_step_end=raise_at_step(0))
     stats = session.reuse.stats()
     assert stats["hits"] == 2 and stats["entries"] == 0
-    assert store_log.live == [] and _files(tmp_path) == [] and _resident_prefix_tensors() == []
+    assert store_log.live == [] and _files(tmp_path) == [] and resident_prefix_tensors() == []
 
 
 def test_a_request_failing_while_extracting_keeps_nothing(flux_pipe, images, store_log):
     session = enable_kv_offload(flux_pipe, "ram_sync")
     args = models.call_kwargs(flux_pipe, images[:1], steps=STEPS, resolution=RES)
     with pytest.raises(Boom):
-        flux_pipe(**args, callback_on_step_end=_raise_at_step(0))
+        flux_pipe(**args, callback_on_step_end=raise_at_step(0))
     assert session.reuse.stats()["entries"] == 0 and store_log.live == []

@@ -10,8 +10,8 @@ import torch
 
 from kv_offload_pack.nodes.reuse import REUSE
 
+from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import patched_with, queue
-from nodes_tiny import Tiny21
 
 
 def node_property_run(requests: int, seed: int) -> dict:

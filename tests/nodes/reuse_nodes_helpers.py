@@ -6,7 +6,8 @@ import torch
 from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
 from kv_offload_pack.offload_core import HostServices, KVStore
 
-from nodes_tiny import FakePatcher, Tiny21, sample
+from nodes_tiny import FakePatcher, sample
+from qwen21_tiny import Tiny21
 
 
 class Patcher(FakePatcher):

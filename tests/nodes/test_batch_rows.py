@@ -13,29 +13,13 @@ import pytest
 import torch
 
 from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
-from kv_offload_pack.offload_core import HostServices, KVStore
+from kv_offload_pack.offload_core import HostServices
 
-from nodes_tiny import FakePatcher, Tiny21, TinyDiT, sample
+from nodes_tiny import FakePatcher, TinyDiT, sample
+from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
-
-
-class Spy(KVStore):
-    made = []
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        Spy.made.append(self)
-
-
-def inputs(batch, cfg):
-    """`batch` latents of one prompt and one reference (repeated to the batch, as ComfyUI's conds are)."""
-    g = torch.Generator().manual_seed(0)
-    n = 2 if cfg else 1
-    noise = torch.randn(batch, 6, 32, generator=g)
-    refs = [torch.randn(1, 5, 32, generator=g).expand(batch, -1, -1).clone() for _ in range(n)]
-    txts = [torch.randn(1, 3, 32, generator=g).expand(batch, -1, -1).clone() for _ in range(n)]
-    return noise, refs, txts
 
 
 def run(model, mode, tmp_path, batch, cfg, dedup=None):
@@ -50,7 +34,7 @@ def run(model, mode, tmp_path, batch, cfg, dedup=None):
     if model == "qwen21":
         dm.reset_prefix_cache(True)
     try:
-        out = sample(dm, patched.options(), *inputs(batch, cfg), cfg=cfg, batched=model != "qwen21")
+        out = sample(dm, patched.options(), *inputs(cfg=cfg, batch=batch), cfg=cfg, batched=model != "qwen21")
     finally:
         if model == "qwen21":
             dm.reset_prefix_cache(False)

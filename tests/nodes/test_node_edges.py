@@ -7,8 +7,7 @@ from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, valid
 from kv_offload_pack.offload_core import KVStore
 
 from nodes_tiny import FluxKVCacheReference, FakePatcher, sample
-from test_patches import Recorder, inputs, run_mode
-from test_stand_down import patched_tiny
+from patch_helpers import Recorder, inputs, patched_tiny, run_mode
 
 
 def test_unknown_model_keeps_an_upstream_flux_kv_cache():

@@ -1,7 +1,5 @@
 """The model patches on real tensors, driven the way ComfyUI drives them, without ComfyUI."""
 
-import os
-
 import pytest
 import torch
 
@@ -11,51 +9,9 @@ from kv_offload_pack.nodes.state import RUN_KEY, SPEC_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 from nodes_tiny import FakePatcher, FluxKVCacheReference, TinyDiT, sample
+from patch_helpers import Recorder, inputs, no_files, run_mode
 
 LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
-
-
-class Recorder:
-    """A telemetry hub stand-in that records the calls and the stores it was given."""
-
-    def __init__(self):
-        self.calls, self.stores = [], []
-
-    def run_started(self, run_id):
-        self.calls.append("start")
-
-    def track(self, name, store):
-        self.stores.append(store)
-
-    def step(self):
-        self.calls.append("step")
-
-    def progress(self):
-        pass
-
-    def forward_done(self):
-        self.calls.append("done")
-
-    def run_finished(self, run_id):
-        self.calls.append("final")
-
-
-def inputs(seed=0, cfg=False, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    n = 2 if cfg else 1
-    noise = torch.randn(1, 6, 32, generator=g).to(device)
-    refs = [torch.randn(1, 5, 32, generator=g).to(device) for _ in range(n)]
-    txts = [torch.randn(1, 3, 32, generator=g).to(device) for _ in range(n)]
-    return noise, refs, txts
-
-
-def run_mode(mode, tmp_path, seed=0, cfg=None, batched=True, telemetry=None, fail_at=None, refs=None, device="cpu"):
-    dm = TinyDiT(device=device)
-    host = HostServices(temp_dir=lambda: str(tmp_path))
-    patched, _ = apply_offload(FakePatcher(dm), config_from_inputs(mode), host=lambda patcher: host,
-                               store_factory=KVStore, telemetry=telemetry)
-    noise, r, txts = inputs(seed, cfg is not None, device)
-    return sample(dm, patched.options(), noise, refs or r, txts, cfg=cfg, batched=batched, fail_at=fail_at)
 
 
 def run_flux_kv_cache(seed=0, cfg=None, batched=True, device="cpu"):
@@ -63,10 +19,6 @@ def run_flux_kv_cache(seed=0, cfg=None, batched=True, device="cpu"):
     noise, refs, txts = inputs(seed, cfg is not None, device)
     return sample(dm, {"transformer_options": FluxKVCacheReference().options()}, noise, refs, txts,
                   cfg=cfg, batched=batched)
-
-
-def no_files(tmp_path):
-    return [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
 
 
 @pytest.mark.parametrize("cfg", [None, 3.0])

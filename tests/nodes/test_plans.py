@@ -8,10 +8,11 @@ import torch
 from kv_offload_pack.nodes import apply as apply_mod
 from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, storage_for_qwen21
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
-from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
+from kv_offload_pack.offload_core import HostServices, OffloadConfig
 
-from nodes_tiny import FakePatcher, Tiny21, TinyDiT, sample
-from test_patches import inputs
+from nodes_tiny import FakePatcher, TinyDiT, sample
+from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LAYER = 8192  # one tiny layer (K and V each on a 4 KiB boundary)
 PLANS = {
@@ -20,14 +21,6 @@ PLANS = {
     "ram+file": {"mode": "ram_sync", "host_budget": LAYER},
     "device+ram+file": {"mode": "ram_async", "device_budget": LAYER, "host_budget": LAYER},
 }
-
-
-class Spy(KVStore):
-    made = []
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        Spy.made.append(self)
 
 
 def run_config(config, tmp_path, cfg=None, batched=True):

@@ -9,24 +9,11 @@ from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 
-from nodes_tiny import FakePatcher, Tiny21, sample
+from nodes_tiny import FakePatcher, sample
+from patch_helpers import Spy, inputs
+from qwen21_tiny import Tiny21
 
 LOSSLESS = ["ram_sync", "ram_async", "file_sync", "file_async", "auto"]
-
-
-def inputs(cfg):
-    g = torch.Generator().manual_seed(0)
-    n = 2 if cfg else 1
-    return (torch.randn(1, 6, 32, generator=g), [torch.randn(1, 5, 32, generator=g) for _ in range(n)],
-            [torch.randn(1, 3, 32, generator=g) for _ in range(n)])
-
-
-class Spy(KVStore):
-    made = []
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        Spy.made.append(self)
 
 
 def run(mode, tmp_path, cfg=None, model_options=None):
@@ -39,7 +26,7 @@ def run(mode, tmp_path, cfg=None, model_options=None):
         options = patched.options()
         for name, obj in patched.object_patches.items():  # what ModelPatcher does while the model is patched
             setattr(dm, name.split(".", 1)[1], obj)
-    noise, refs, txts = inputs(cfg)
+    noise, refs, txts = inputs(0, cfg)
     dm.reset_prefix_cache(True)  # ModelPatcher.pre_run on the 2.1 model
     try:
         return sample(dm, options, noise, refs, txts, cfg=cfg, batched=False), dm
@@ -103,7 +90,7 @@ def _interrupted(tmp_path):
         return real_attend(i, *a)
 
     dm._attend = attend
-    noise, refs, txts = inputs(None)
+    noise, refs, txts = inputs(0, None)
     sample(dm, patched.options(), noise, refs, txts)
 
 

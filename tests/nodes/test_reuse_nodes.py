@@ -12,7 +12,8 @@ from kv_offload_pack.nodes.reuse import FLUX_KV_REASON, REUSE
 from kv_offload_pack.nodes.telemetry import TelemetryHub
 from kv_offload_pack.offload_core import HostServices, KVStore
 
-from nodes_tiny import TinyDiT, Tiny21, sample
+from nodes_tiny import TinyDiT, sample
+from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import Fills, Patcher, own_cache, patched, patched_with, queue
 
 

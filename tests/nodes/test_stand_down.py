@@ -12,15 +12,7 @@ from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 from nodes_tiny import FakePatcher, TinyDiT, sample
-from test_patches import Recorder, inputs, no_files, run_mode
-
-
-def patched_tiny(mode, tmp_path, telemetry=None, store_factory=KVStore):
-    dm = TinyDiT()
-    host = HostServices(temp_dir=lambda: str(tmp_path))
-    patched, _ = apply_offload(FakePatcher(dm), config_from_inputs(mode), host=lambda p: host,
-                               store_factory=store_factory, telemetry=telemetry)
-    return dm, patched
+from patch_helpers import Recorder, inputs, no_files, patched_tiny, run_mode
 
 
 def warnings_of(caplog, text):

@@ -12,19 +12,12 @@ from kv_offload_pack.nodes.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
 
 from nodes_tiny import FakePatcher
+from patch_helpers import Spy
 from wan_tiny import ComfyPoseCache, TinyWanAnimate2, sample, windows_of
 
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 WINDOWS = windows_of(6, 4, 2)  # 6 latent frames, windows of 4 overlapping by 2: [0..3], [2..5]
 LAYER_BYTES = 2 * 4096  # one block of a window here: 8 pose tokens of 32 fp32 per half, each 4 KiB aligned
-
-
-class Spy(KVStore):
-    made = []
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        Spy.made.append(self)
 
 
 def inputs():
