@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kv_offload_pack.nodes import telemetry as T
+from kv_offload_pack.nodes.figures import store_order, to_json
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -204,7 +205,7 @@ def test_a_failing_sender_never_breaks_sampling():
 
 
 def test_payload_is_strict_json():
-    payload = T.to_json({"a": float("nan"), "b": (1, float("inf")), "c": OffloadConfig(mode="gpu").mode})
+    payload = to_json({"a": float("nan"), "b": (1, float("inf")), "c": OffloadConfig(mode="gpu").mode})
     assert payload == {"a": None, "b": [1, None], "c": "gpu"}
 
 
@@ -342,7 +343,7 @@ def test_cond_is_listed_before_uncond(hub):
     lists = [[s["name"] for s in payload["stores"]] for _, payload in hub.sender.messages]
     assert lists[-1] == ["cond", "uncond"]  # uncond was created first: its batch row comes first
     assert all(names in ([], ["uncond"], ["cond", "uncond"]) for names in lists), lists
-    assert sorted(["uncond 2", "x", "cond 2", "uncond", "cond"], key=T.store_order) == \
+    assert sorted(["uncond 2", "x", "cond 2", "uncond", "cond"], key=store_order) == \
         ["cond", "cond 2", "uncond", "uncond 2", "x"]
 
 
