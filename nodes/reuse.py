@@ -96,6 +96,12 @@ class NodeReuse:
             self._watched.discard(dm_id)
         return self.registry.evict_where(lambda k: k.header[0][1] == dm_id, why)
 
+    def watch_unload(self, patcher) -> "NodeReuse":
+        """Drop what is kept for `patcher`'s model when ComfyUI unloads it (`ModelPatcher.detach`); returns self."""
+        if callable(getattr(patcher, "add_callback", None)):
+            patcher.add_callback(ON_DETACH, self.on_detach)
+        return self
+
     def on_detach(self, patcher, unpatch_all=True) -> None:
         """`ModelPatcher.detach` callback: the model was unloaded, its kept prefixes go with it."""
         try:

@@ -6,14 +6,11 @@ from comfy_api.latest import io
 
 from ..offload_core import KVStore
 from ..offload_core.config import MAX_PREFETCH_DEPTH
-from .apply import MODES, STORAGES, apply_offload, config_from_inputs, validation_message
+from .apply import apply_offload
 from .host import comfy_host_services
+from .inputs import MODES, STORAGES, config_from_inputs, validation_message
 from .qwen21 import qwen21_support
-
-try:  # the memory readout's hub; absent in a checkout without it
-    from .telemetry import TELEMETRY
-except ImportError:  # pragma: no cover
-    TELEMETRY = None
+from .telemetry import TELEMETRY
 
 MODE_TOOLTIP = (
     "Where the reference-image K/V cache lives between denoising steps. "
@@ -88,7 +85,7 @@ class KVOffloadSettings(io.ComfyNode):
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage,
                                     ram_budget_mb)
         # the readout tags this node's runs with its id, so the node shows its own run
-        telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if TELEMETRY is not None and cls.hidden else TELEMETRY
+        telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if cls.hidden else TELEMETRY
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
                                    telemetry=telemetry, reuse=bool(reuse))
         return io.NodeOutput(patched)

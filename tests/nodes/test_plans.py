@@ -5,8 +5,10 @@ import logging
 import pytest
 import torch
 
-from kv_offload_pack.nodes import apply as apply_mod
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, storage_for_qwen21
+from kv_offload_pack.nodes import inputs as inputs_mod
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.cache_dtype import storage_for_qwen21
+from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
 
@@ -61,9 +63,9 @@ def test_node_inputs_map_to_the_config():
     off = config_from_inputs("off", vram_budget_mb=512, storage="int8")
     assert off.device_budget is None and off.storage == "exact"
     assert config_from_inputs("auto", vram_budget_mb=0).device_budget is None  # 0: the mode decides
-    msg = apply_mod.validation_message(mode="auto", vram_budget_mb=-1)
+    msg = inputs_mod.validation_message(mode="auto", vram_budget_mb=-1)
     assert "`vram_budget_mb` must be a whole number of MiB >= 0; got -1" in msg
-    assert "`storage` must be one of" in apply_mod.validation_message(mode="auto", storage="int4")
+    assert "`storage` must be one of" in inputs_mod.validation_message(mode="auto", storage="int4")
 
 
 @pytest.mark.parametrize("dtype, ours, expected, words", [

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.telemetry import TelemetryHub
 from kv_offload_pack.nodes.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
@@ -210,7 +211,7 @@ def test_the_least_recently_used_window_is_the_one_evicted():
 
 
 def test_the_ram_budget_input_reaches_the_ram_modes_only():
-    from kv_offload_pack.nodes.apply import validation_message
+    from kv_offload_pack.nodes.inputs import validation_message
 
     assert config_from_inputs("ram_async", ram_budget_mb=64).host_budget == 64 << 20
     assert config_from_inputs("auto", ram_budget_mb=64).host_budget == 64 << 20
