@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
 
 PASS, EXTRACT, CACHED = "pass", "extract", "cached"
+WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
 
 
 def layer_bytes(k: torch.Tensor, v: torch.Tensor) -> int:
@@ -127,7 +128,7 @@ class RunState:
         try:
             self._end_forward(ok)
         finally:
-            self._tell("forward_done")
+            tell(self.telemetry, "forward_done")
 
     def _end_forward(self, ok: bool) -> None:
         fwd, self.forward = self.forward, None
@@ -143,7 +144,7 @@ class RunState:
                 try:
                     branch.store.flush()  # the file modes write in the background: their errors surface here
                 except KVWriteError as exc:
-                    self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+                    self.stand_down(WRITE_FAILED.format(exc))
                     return
                 branch.complete = True
             else:
@@ -174,10 +175,10 @@ class RunState:
             # Disk full or failing during the capture. This forward computes every layer from the full input
             # anyway, so stepping aside (recompute each step, no extra VRAM) finishes the generation, where
             # moving the cache to the GPU could run out of the VRAM a file mode was picked to save.
-            self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+            self.stand_down(WRITE_FAILED.format(exc))
             return
         branch.layers.add(layer)
-        self._tell("progress")  # a capture step can take seconds: the readout shows the stores filling
+        tell(self.telemetry, "progress")  # a capture step can take seconds: the readout shows the stores filling
 
     def get(self, u, layer: Hashable):
         """(k, v) of cond `u` at `layer`, on the compute device; valid until the next get on that store."""
@@ -236,13 +237,7 @@ class RunState:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
     def step(self) -> None:
-        self._tell("step")
-
-    def _tell(self, what: str) -> None:
-        tell(self.telemetry, what)
-
-    def stats(self) -> dict:
-        return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
+        tell(self.telemetry, "step")
 
     def drop_branch(self, u) -> None:
         """Forget branch `u` (a cond, a prefix slot, a pose window) and close its store; nothing if it is gone."""
