@@ -204,6 +204,52 @@ def test_a_failing_sender_never_breaks_sampling():
     assert h.snapshot()["event"] == "final"
 
 
+def test_a_store_whose_stats_fail_keeps_its_last_figures_and_is_reported_once(hub, caplog):
+    store = make_store("ram_sync")
+    hub.run_started("r1")
+    hub.track("cond", store)
+    hub.clock.advance(1.0)
+    hub.step()
+    held = hub.snapshot()["stores"][0]["bytes"]
+
+    def torn_down():
+        raise RuntimeError("tier closed under the readout")
+
+    store.stats = torn_down
+    with caplog.at_level("WARNING", logger=T.__name__.replace("telemetry", "figures")):
+        for _ in range(3):
+            hub.clock.advance(1.0)
+            hub.step()  # sampling goes on
+    assert hub.snapshot()["stores"][0]["bytes"] == held
+    assert [r.getMessage() for r in caplog.records].count(
+        "KV Offload: the readout could not read KV store 'cond'; it shows its last figures") == 1
+    del store.stats
+    store.close()
+
+
+def test_a_readout_call_that_fails_is_logged_and_never_breaks_the_run(caplog):
+    from kv_offload_pack.nodes.state import RunState
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError(f"readout {name} broke")
+            return fail
+
+    run = RunState(OffloadConfig(mode="ram_sync"), None, n_layers=1, store_factory=KVStore, telemetry=Broken())
+    k = torch.randn(1, 2, 4, 8)
+    with caplog.at_level("DEBUG", logger=T.__name__):
+        run.begin_forward(["c"], ref_tokens=4, batch=1)
+        run.put("c", 0, k, k)  # tells track and progress
+        run.end_forward(ok=True)  # tells forward_done
+    assert run.branches["c"].complete and torch.equal(run.get("c", 0)[0], k)
+    run.close()
+    failed = [r for r in caplog.records if "memory readout's" in r.getMessage()]
+    assert {r.getMessage().split("'s ")[1] for r in failed} >= {"track() failed", "progress() failed",
+                                                                "forward_done() failed"}
+    assert all(r.exc_info for r in failed)
+
+
 def test_payload_is_strict_json():
     payload = to_json({"a": float("nan"), "b": (1, float("inf")), "c": OffloadConfig(mode="gpu").mode})
     assert payload == {"a": None, "b": [1, None], "c": "gpu"}
