@@ -286,6 +286,17 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
     store.close()
 
 
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_page_names_the_places_the_engine_keys_its_bytes_by():
+    from kv_offload_pack.offload_core.places import PLACES
+
+    script = (f"import {{ KV_PLACES }} from {json.dumps((ROOT / 'web' / 'kv_offload_bars.js').as_uri())};\n"
+              "console.log(JSON.stringify(KV_PLACES.map((p) => p.place)));\n")
+    out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert tuple(json.loads(out.stdout)) == PLACES
+
+
 def test_payload_never_carries_the_cache_path(hub, tmp_path):
     # any client of the server gets the payload; a cache path would point it at another user's K/V on disk
     from kv_offload_pack.offload_core import HostServices
