@@ -133,8 +133,8 @@ def patch_reference_kv(m, dm, config, to: dict, reuse: bool) -> "tuple[Any, list
     The reference tokens are modulated at t = 0 (FluxKVCache's `index_timestep_zero`), so their K/V do not
     depend on the step; mode off keeps that and adds no attention patch. `to` and `reuse` are not used here.
     """
-    owner = "diffusion_model.params" if hasattr(getattr(dm, "params", None), "default_ref_method") else "diffusion_model"
-    m.add_object_patch(f"{owner}.default_ref_method", "index_timestep_zero")
+    params = hasattr(getattr(dm, "params", None), "default_ref_method")  # FLUX.2 keeps it in its params
+    m.add_object_patch(f"diffusion_model{'.params' if params else ''}.default_ref_method", "index_timestep_zero")
     if config.mode is not Mode.OFF:
         m.set_model_attn1_patch(RefKVAttention())
         m.set_model_post_input_patch(post_input_patch)

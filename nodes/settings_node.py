@@ -63,12 +63,15 @@ class KVOffloadSettings(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1 or Wan Animate 2 model."),
                 io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),
-                io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH, tooltip=TOOLTIPS["prefetch_depth"]),
-                io.Boolean.Input("bypass_page_cache", default=True, advanced=True, tooltip=TOOLTIPS["bypass_page_cache"]),
+                io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH,
+                             tooltip=TOOLTIPS["prefetch_depth"]),
+                io.Boolean.Input("bypass_page_cache", default=True, advanced=True,
+                                 tooltip=TOOLTIPS["bypass_page_cache"]),
                 _budget("pin_budget_mb", advanced=True),
                 # Optional: prompts and workflows saved before these inputs existed still validate.
                 _budget("vram_budget_mb", optional=True),
-                io.Combo.Input("storage", options=STORAGES, default="exact", optional=True, tooltip=TOOLTIPS["storage"]),
+                io.Combo.Input("storage", options=STORAGES, default="exact", optional=True,
+                               tooltip=TOOLTIPS["storage"]),
                 io.Boolean.Input("reuse", default=True, optional=True, tooltip=TOOLTIPS["reuse"]),
                 # After `reuse`: saved workflows list widget values by position, so a new input goes last.
                 _budget("ram_budget_mb", optional=True),

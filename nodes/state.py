@@ -198,8 +198,8 @@ class RunState:
 
     def open_store(self, name: str, device, expected_bytes: int, config=None):
         """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
-        store = self.store_factory(config or self.config, device, host=self.host, expected_bytes=expected_bytes,
-                                   name=name)
+        config = self.config if config is None else config
+        store = self.store_factory(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
         self.track_store(name, store)
         return store
 

@@ -11,6 +11,7 @@ from kv_offload_pack.nodes.cache_dtype import storage_for_qwen21
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher, TinyDiT, sample
 from patch_helpers import Spy, inputs
@@ -57,7 +58,7 @@ def test_compact_storage_stays_close_to_gpu(tmp_path, storage):
 
 def test_node_inputs_map_to_the_config():
     c = config_from_inputs("ram_async", 2, True, 0, vram_budget_mb=512, storage="fp8")
-    assert c.device_budget == 512 << 20 and c.storage == "fp8" and c.pin_budget is None
+    assert c.device_budget == 512 * MiB and c.storage == "fp8" and c.pin_budget is None
     gpu = config_from_inputs("gpu", vram_budget_mb=512, storage="int8")  # the budget means nothing for gpu
     assert gpu.device_budget is None and gpu.storage == "int8"
     off = config_from_inputs("off", vram_budget_mb=512, storage="int8")
