@@ -1,4 +1,4 @@
-"""The ComfyUI extension: our node, plus the memory monitor's node and routes where present."""
+"""The ComfyUI extension: the Settings node, the memory monitor's node and the readout's route."""
 
 from __future__ import annotations
 
@@ -7,35 +7,19 @@ import logging
 from comfy_api.latest import ComfyExtension, io
 
 from .host import reclaim_leftovers
+from .monitor import KVMemoryMonitor
 from .qwen21 import qwen21_support
+from .routes import register_routes
 from .settings_node import KVOffloadSettings
 
 log = logging.getLogger(__name__)
 
 
-def _monitor_nodes() -> list:
-    try:
-        from .monitor import KVMemoryMonitor
-    except ImportError:
-        log.debug("KV Offload: memory monitor node not available", exc_info=True)
-        return []
-    return [KVMemoryMonitor]
-
-
-def _register_routes() -> None:
-    try:
-        from .routes import register_routes
-    except ImportError:
-        log.debug("KV Offload: routes not available", exc_info=True)
-        return
-    register_routes()
-
-
 class KVOffloadExtension(ComfyExtension):
     async def on_load(self) -> None:
         reclaim_leftovers()
-        _register_routes()
+        register_routes()
         log.info("KV Offload: %s", qwen21_support())
 
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [KVOffloadSettings, *_monitor_nodes()]
+        return [KVOffloadSettings, KVMemoryMonitor]

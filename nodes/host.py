@@ -129,6 +129,7 @@ def comfy_host_services(patcher=None) -> HostServices:
 
             return int(mm.get_free_memory(torch.device("cpu")))
         except Exception:
+            log.debug("free-memory query failed", exc_info=True)
             return None
 
     def pin(tensor) -> bool:

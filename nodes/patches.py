@@ -13,11 +13,12 @@ which only the outer-sample wrapper of a run puts there. No ComfyUI import.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from .state import CACHED, EXTRACT, RUN_KEY, SPEC_KEY, RunState
+from ..offload_core import Mode
+from .state import CACHED, EXTRACT, RUN_KEY, RunState
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ def live_run(to: dict) -> Optional[RunState]:
         run.stand_down("multi-GPU sampling runs cond batches in parallel threads, which KV Offload does not "
                        "support; it stands down for this run")
     return None if run.stood_down else run
-
-
-def _transformer_options(args, kwargs) -> dict:
-    to = kwargs.get("transformer_options")
-    if isinstance(to, dict):
-        return to
-    for a in reversed(args):
-        if isinstance(a, dict):
-            return a
-    return {}
 
 
 class RefKVAttention:
@@ -122,63 +113,6 @@ def post_input_patch(inputs: dict) -> dict:
 post_input_patch.kv_offload = True
 
 
-def diffusion_model_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: brackets one forward (per cond batch per step) for the run state."""
-    run = live_run(_transformer_options(args, kwargs))
-    if run is None:
-        return executor(*args, **kwargs)
-    run.step()
-    ok = False
-    try:
-        out = executor(*args, **kwargs)
-        ok = True
-        return out
-    finally:
-        # on an interrupt mid-forward the half-captured conds are dropped, never served
-        run.end_forward(ok)
-
-
-def make_outer_sample_wrapper(new_run: Callable, clone_options: Callable[[dict], dict], attach: Callable,
-                              on_start: Callable = lambda run: None, on_finish: Callable = lambda run: None):
-    """OUTER_SAMPLE wrapper factory: one run state per sampling run, closed in `finally`.
-
-    new_run(spec, model_options, model_patcher) -> RunState or None (None: stand down for this run).
-    clone_options is ComfyUI's `create_model_options_clone`: attach(run, spec, transformer_options) puts the
-    run into the run's copy of the options, never into the cached MODEL's own dict. The `finally` runs on
-    normal completion, on `InterruptProcessingException` (a BaseException) and on any error.
-    """
-
-    def outer_sample_wrapper(executor, *args, **kwargs):
-        guider = executor.class_obj
-        orig = guider.model_options
-        spec = orig.get("transformer_options", {}).get(SPEC_KEY)
-        run = new_run(spec, orig, getattr(guider, "model_patcher", None)) if spec is not None else None
-        if run is None:
-            return executor(*args, **kwargs)
-        guider.model_options = clone_options(orig)
-        attach(run, spec, guider.model_options.setdefault("transformer_options", {}))
-        on_start(run)
-        ok = False
-        try:
-            out = executor(*args, **kwargs)
-            ok = True
-            return out
-        finally:
-            guider.model_options = orig
-            try:
-                run.close()
-            except Exception:
-                if ok:
-                    raise
-                # an exception (an interrupt, a sampling error) is already on its way: it must reach ComfyUI
-                log.warning("KV Offload: closing the cache after a failed run also failed", exc_info=True)
-            finally:
-                on_finish(run)
-
-    outer_sample_wrapper.kv_offload = True
-    return outer_sample_wrapper
-
-
 def is_flux_kv_cache_patch(p) -> bool:
     """True for the patches ComfyUI's `FluxKVCache` node installs (its attention class or its input closure)."""
     if type(p).__name__ == "KV_Attn_Input":
@@ -189,3 +123,28 @@ def is_flux_kv_cache_patch(p) -> bool:
 
 def is_ours(p) -> bool:
     return bool(getattr(p, "kv_offload", False))
+
+
+# --- the FLUX.2 Klein KV and Qwen-Image(-Edit) families --------------------------------------------------------
+
+def patch_reference_kv(m, dm, config, to: dict, reuse: bool) -> "tuple[Any, list]":
+    """Patch the clone `m` the way `FluxKVCache` does, with our stores behind it; `(config, notes)` unchanged.
+
+    The reference tokens are modulated at t = 0 (FluxKVCache's `index_timestep_zero`), so their K/V do not
+    depend on the step; mode off keeps that and adds no attention patch. `to` and `reuse` are not used here.
+    """
+    params = hasattr(getattr(dm, "params", None), "default_ref_method")  # FLUX.2 keeps it in its params
+    m.add_object_patch(f"diffusion_model{'.params' if params else ''}.default_ref_method", "index_timestep_zero")
+    if config.mode is not Mode.OFF:
+        m.set_model_attn1_patch(RefKVAttention())
+        m.set_model_post_input_patch(post_input_patch)
+    return config, []
+
+
+def unless_flux_kv_cache_after(config, to: dict):
+    """The run's config, or None (stand down) when `FluxKVCache` patched the model after our node."""
+    if any(is_flux_kv_cache_patch(p) for p in to.get("patches", {}).get("attn1_patch", [])):
+        log.warning("KV Offload: FluxKVCache is applied after KV Offload Settings; it caches on the GPU and "
+                    "KV Offload stands down for this run. Put FluxKVCache before the node, or remove it.")
+        return None
+    return config

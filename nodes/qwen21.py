@@ -15,12 +15,18 @@ No ComfyUI import.
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Callable, Optional
 
 import torch
 
+from ..offload_core import Mode
+from .cache_dtype import storage_for_qwen21
 from .patches import repeat_to_batch_size
+from .reuse import REUSE, ReusableStore
 from .state import RUN_KEY, Branch
+
+log = logging.getLogger(__name__)
 
 OPTIONS_KEY = "qwen_image21_cache"
 
@@ -82,7 +88,7 @@ class PrefixStoreCache:
 
     def _remove(self, sid) -> None:
         self.slots = [(k, s) for k, s in self.slots if s != sid]
-        self.run._drop(sid)
+        self.run.drop_branch(sid)
 
     def filled(self, num_blocks: int, sid=None) -> bool:
         branch = self.run.branches.get(self.slot if sid is None else sid)
@@ -90,8 +96,6 @@ class PrefixStoreCache:
 
     def adopt(self, key: torch.Tensor) -> bool:
         """Select a prefix kept by an earlier run for `key` (a hit: no fill pass), else remember its reuse key."""
-        from .reuse import ReusableStore
-
         reuse_key = self.reuse.key(self.dm, key, self.run)
         entry = self.reuse.registry.lookup(reuse_key) if reuse_key is not None else None
         if entry is None:
@@ -100,10 +104,10 @@ class PrefixStoreCache:
                 self._reuse_keys[self.slot] = reuse_key
             return False
         sid = ("qwen21", next(self._ids))
-        name = self.run._unique_name("cond")
+        name = self.run.unique_name("cond")
         self.run.branches[sid] = Branch(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
                                         layers=set(range(self.n_blocks)), complete=True, name=name)
-        self.run._track(name, entry.store)
+        self.run.track_store(name, entry.store)
         self.slots.append((key.detach().clone(), sid))
         self.slot = sid
         return True
@@ -112,8 +116,6 @@ class PrefixStoreCache:
         """t: (B, 2, P, H, D) stacked K/V of block i; the store takes its own copy."""
         self.run.put(self.slot, i, t[:, 0], t[:, 1])
         if self.slot in self._reuse_keys:  # kept when the run closes it, if the fill completed
-            from .reuse import ReusableStore
-
             branch = self.run.branches[self.slot]
             branch.store = ReusableStore(branch.store, self.reuse.registry, key=self._reuse_keys.pop(self.slot),
                                          n_layers=self.n_blocks, label=branch.name)
@@ -136,7 +138,7 @@ class PrefixStoreCache:
     def free(self) -> None:
         self._fresh.clear()
         for _, sid in list(self.slots):
-            self.run._drop(sid)
+            self.run.drop_branch(sid)
         self.slots = []
         self.slot = None
 
@@ -170,3 +172,41 @@ def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> C
 
     select_prefix_cache.kv_offload = True
     return select_prefix_cache
+
+
+# --- the family's three steps: patch the clone, configure a run, attach it -------------------------------------
+
+def patch_qwen21(m, dm, config, to: dict, reuse: bool) -> "tuple[object, list]":
+    """Put our cache behind the clone's `select_prefix_cache`; `(config, notes)` after ComfyUI's own cache dtype.
+
+    ComfyUI's own prefix-cache options upstream of our node are kept and their dtype honoured; mode off turns
+    the model's cache off.
+    """
+    opts = dict(to.get(OPTIONS_KEY) or {})
+    config, note = storage_for_qwen21(config, opts)
+    if note:
+        log.warning(note)
+    if config.mode is Mode.OFF:
+        opts["device"] = "off"
+    else:
+        if opts.get("device") == "off":  # an upstream "off" would stop the model asking for our cache
+            del opts["device"]
+        original = type(dm).select_prefix_cache.__get__(dm)  # the class's, not an earlier object patch
+        m.add_object_patch("diffusion_model.select_prefix_cache",
+                           make_select_prefix_cache(original, len(dm.transformer_blocks),
+                                                    REUSE.watch_unload(m) if reuse else None))
+    to[OPTIONS_KEY] = opts
+    return config, [note] if note else []
+
+
+def qwen21_run_config(config, to: dict):
+    """The run's config after ComfyUI's cache options set downstream of our node (their dtype, said once)."""
+    mapped, note = storage_for_qwen21(config, to.get(OPTIONS_KEY))
+    if note and mapped is not config:
+        log.warning(note)
+    return mapped
+
+
+def attach_qwen21(run, to: dict, n_layers: int) -> None:
+    """Hand the run to our `select_prefix_cache` patch, through the options the model passes it."""
+    to[OPTIONS_KEY] = {**(to.get(OPTIONS_KEY) or {}), RUN_KEY: run}

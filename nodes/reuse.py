@@ -9,9 +9,8 @@ set (`patches_uuid`: LoRAs), its object patches other than ours, the weights by 
 module tree's state (`offload_core.fingerprint`), the storage the run keeps (ours, after ComfyUI's own cache
 `dtype` is mapped) and every `model_options` entry that reaches the forward. What it cannot read (another node's
 wrapper or attention override, weights offloaded to the CPU) turns reuse off for that run, and the readout says
-why. A model
-unload (`ModelPatcher.detach`, also what "free model and node cache" does) or the model object going away
-evicts its entries. Stores in files are not kept: a run's cache folder goes with the run.
+why. A model unload (`ModelPatcher.detach`, also what "free model and node cache" does) or the model object
+going away evicts its entries. Stores in files are not kept: a run's cache folder goes with the run.
 
 FLUX.2 and Qwen-Image(-Edit) follow ComfyUI's FluxKVCache semantics: on the capture step the reference tokens
 attend to the prompt and the noisy target too, so their K/V depend on both. Reusing them would change the image,
@@ -30,6 +29,7 @@ from typing import Optional
 import torch
 
 from ..offload_core.fingerprint import Unkeyable, model_state, plain
+from ..offload_core.places import FILE
 from ..offload_core.reuse import PrefixKey, PrefixRegistry, describe
 
 log = logging.getLogger(__name__)
@@ -94,13 +94,20 @@ class NodeReuse:
     def forget_model(self, dm_id: int, why: str) -> int:
         with self._lock:
             self._watched.discard(dm_id)
-        return self.registry.evict_where(lambda k: k.header[0][1] == dm_id, why)
+        return self.registry.evict_where(lambda k: k.model_id == dm_id, why)
+
+    def watch_unload(self, patcher) -> "NodeReuse":
+        """Drop what is kept for `patcher`'s model when ComfyUI unloads it (`ModelPatcher.detach`); returns self."""
+        if callable(getattr(patcher, "add_callback", None)):
+            patcher.add_callback(ON_DETACH, self.on_detach)
+        return self
 
     def on_detach(self, patcher, unpatch_all=True) -> None:
         """`ModelPatcher.detach` callback: the model was unloaded, its kept prefixes go with it."""
         try:
             dm = patcher.get_model_object("diffusion_model")
-        except Exception:
+        except AttributeError:  # no diffusion model: nothing was kept for it
+            log.debug("KV Offload: an unloaded model has no diffusion model", exc_info=True)
             return
         if self.forget_model(id(dm), "the model was unloaded"):
             log.info("KV Offload: model unloaded; its kept prefixes were dropped")
@@ -211,7 +218,7 @@ class ReusableStore:
         stats = self._store.stats()
         complete = not self._damaged and self._key is not None and stats["layers"] == self._n_layers \
             and not self._store.closed
-        if complete and stats["bytes"].get("file"):
+        if complete and stats["bytes"].get(FILE):
             # The run's cache folder (nodes/host.py) is removed with the run, files and all: keep none of them.
             self._registry.note_rejection("file tiers: the run's cache folder is removed when the run ends")
             complete = False

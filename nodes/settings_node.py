@@ -6,14 +6,11 @@ from comfy_api.latest import io
 
 from ..offload_core import KVStore
 from ..offload_core.config import MAX_PREFETCH_DEPTH
-from .apply import MODES, STORAGES, apply_offload, config_from_inputs, validation_message
+from .apply import apply_offload
 from .host import comfy_host_services
+from .inputs import MODES, STORAGES, config_from_inputs, validation_message
 from .qwen21 import qwen21_support
-
-try:  # the memory readout's hub; absent in a checkout without it
-    from .telemetry import TELEMETRY
-except ImportError:  # pragma: no cover
-    TELEMETRY = None
+from .telemetry import TELEMETRY
 
 MODE_TOOLTIP = (
     "Where the reference-image K/V cache lives between denoising steps. "
@@ -25,6 +22,32 @@ MODE_TOOLTIP = (
     "(async: read ahead of compute). "
     "Every mode except off gives the same latents as gpu (with storage exact)."
 )
+
+TOOLTIPS = {
+    "prefetch_depth": "Layers copied ahead of the one being computed (ram_async, file_async, auto). 1 hides a copy "
+                      "behind one layer of compute; more holds more of the cache in VRAM. Ignored by the other modes.",
+    "bypass_page_cache": "File modes: keep the OS page cache out of the way (O_DIRECT where the filesystem allows), "
+                         "so a file mode really saves RAM. Ignored by the other modes.",
+    "pin_budget_mb": "ram_async / file_async / auto: most page-locked host memory (MiB) the cache may pin. 0 leaves "
+                     "it to ComfyUI's pinned-memory budget. Beyond it the cache uses pageable memory (slower, never "
+                     "fails).",
+    "vram_budget_mb": "Speed-VRAM dial: up to this many MiB of each cache (cond and uncond each) stay in VRAM and the "
+                      "rest streams from the mode's place (Wan Animate 2: the whole pose cache; 0: the mode decides; "
+                      "ignored by gpu and off).",
+    "storage": "exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, RAM, disk and copy time for a "
+               "small, measured error in the image (every mode but off).",
+    "reuse": "Keep the prefix K/V in RAM or files after the run and reuse it when the same prompt, references and "
+             "size come again, so a new seed skips the fill pass (exact only for Qwen-Image 2.1; off for the others).",
+    "ram_budget_mb": "ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest goes to files "
+                     "instead of being dropped (Wan Animate 2: the whole pose cache, all context windows together). "
+                     "0: no cap of its own.",
+}
+MAX_BUDGET_MB = 1 << 24
+
+
+def _budget(name: str, **flags) -> "io.Int.Input":
+    """A budget widget in MiB; 0 leaves the budget to ComfyUI or the mode."""
+    return io.Int.Input(name, default=0, min=0, max=MAX_BUDGET_MB, tooltip=TOOLTIPS[name], **flags)
 
 
 class KVOffloadSettings(io.ComfyNode):
@@ -41,35 +64,17 @@ class KVOffloadSettings(io.ComfyNode):
                 io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1 or Wan Animate 2 model."),
                 io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),
                 io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH,
-                             tooltip="Layers copied ahead of the one being computed (ram_async, file_async, "
-                                     "auto). 1 hides a copy behind one layer of compute; more holds more of "
-                                     "the cache in VRAM. Ignored by the other modes."),
+                             tooltip=TOOLTIPS["prefetch_depth"]),
                 io.Boolean.Input("bypass_page_cache", default=True, advanced=True,
-                                 tooltip="File modes: keep the OS page cache out of the way (O_DIRECT where "
-                                         "the filesystem allows), so a file mode really saves RAM. Ignored "
-                                         "by the other modes."),
-                io.Int.Input("pin_budget_mb", default=0, min=0, max=1 << 24, advanced=True,
-                             tooltip="ram_async / file_async / auto: most page-locked host memory (MiB) "
-                                     "the cache may pin. 0 leaves it to ComfyUI's pinned-memory budget. "
-                                     "Beyond it the cache uses pageable memory (slower, never fails)."),
+                                 tooltip=TOOLTIPS["bypass_page_cache"]),
+                _budget("pin_budget_mb", advanced=True),
                 # Optional: prompts and workflows saved before these inputs existed still validate.
-                io.Int.Input("vram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
-                             tooltip="Speed-VRAM dial: up to this many MiB of each cache (cond and uncond each) "
-                                     "stay in VRAM and the rest streams from the mode's place (Wan Animate 2: "
-                                     "the whole pose cache; 0: the mode decides; ignored by gpu and off)."),
+                _budget("vram_budget_mb", optional=True),
                 io.Combo.Input("storage", options=STORAGES, default="exact", optional=True,
-                               tooltip="exact keeps the cache lossless; fp8 / int8 keep about half the VRAM, "
-                                       "RAM, disk and copy time for a small, measured error in the image (every "
-                                       "mode but off)."),
-                io.Boolean.Input("reuse", default=True, optional=True,
-                                 tooltip="Keep the prefix K/V in RAM or files after the run and reuse it when the "
-                                         "same prompt, references and size come again, so a new seed skips the "
-                                         "fill pass (exact only for Qwen-Image 2.1; off for the others)."),
+                               tooltip=TOOLTIPS["storage"]),
+                io.Boolean.Input("reuse", default=True, optional=True, tooltip=TOOLTIPS["reuse"]),
                 # After `reuse`: saved workflows list widget values by position, so a new input goes last.
-                io.Int.Input("ram_budget_mb", default=0, min=0, max=1 << 24, optional=True,
-                             tooltip="ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest "
-                                     "goes to files instead of being dropped (Wan Animate 2: the whole pose cache, "
-                                     "all context windows together). 0: no cap of its own."),
+                _budget("ram_budget_mb", optional=True),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
             hidden=[io.Hidden.unique_id],  # the memory readout shows this node's own run
@@ -88,7 +93,7 @@ class KVOffloadSettings(io.ComfyNode):
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage,
                                     ram_budget_mb)
         # the readout tags this node's runs with its id, so the node shows its own run
-        telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if TELEMETRY is not None and cls.hidden else TELEMETRY
+        telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if cls.hidden else TELEMETRY
         patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
                                    telemetry=telemetry, reuse=bool(reuse))
         return io.NodeOutput(patched)

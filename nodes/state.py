@@ -2,7 +2,7 @@
 
 The node's MODEL output is cached by ComfyUI across prompts and `ModelPatcher.clone()` shares patch
 objects, so nothing here lives on a patch object. A `RunState` is created by the outer-sample wrapper
-(`patches.outer_sample_wrapper`), put into that run's copy of `transformer_options` under `RUN_KEY`, and
+(`nodes/wrappers.py`), put into that run's copy of `transformer_options` under `RUN_KEY`, and
 closed in the wrapper's `finally` -- on normal completion, on `InterruptProcessingException` and on any
 error. A new prompt, a new reference or a new model therefore always starts from empty stores.
 
@@ -23,28 +23,19 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 
 from ..offload_core import KVWriteError
+from .telemetry import tell
 
 log = logging.getLogger(__name__)
 
 RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
-SPEC_KEY = "kv_offload_spec"  # transformer_options key of the node's RunSpec (cached with the MODEL)
 
 PASS, EXTRACT, CACHED = "pass", "extract", "cached"
+WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
 
 
-@dataclass
-class RunSpec:
-    """What the node decided, stored with the patched MODEL; turned into a `RunState` once per run.
-
-    config: the validated `OffloadConfig`; host: `host(model_patcher) -> HostServices`, called once per run
-    (patcher None when unknown); n_layers: attention layers of the diffusion model (a capture is complete when
-    all were seen; sizes `expected_bytes`); family: "flux" | "qwen_image" | "qwen_image21".
-    """
-
-    config: Any
-    host: Callable[[], Any]
-    n_layers: int
-    family: str
+def layer_bytes(k: torch.Tensor, v: torch.Tensor) -> int:
+    """One layer's K and V as put (exact dtype, no alignment): what `KVStore`'s `expected_bytes` counts a layer as."""
+    return k.nbytes + v.nbytes
 
 
 @dataclass
@@ -99,6 +90,12 @@ class RunState:
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
         self._lock = threading.Lock()
         self._warned = set()
+        # Set by the family's code for this run: what prefix reuse keys by, and the family's cache object.
+        self.patcher = None  # the ModelPatcher sampling (its weight-patch set)
+        self.model_options: Optional[dict] = None  # the options that reach the forward
+        self.kv_model_state = None  # the model's fingerprint, read once per run (`nodes.reuse`)
+        self.prefix_cache = None  # Qwen-Image 2.1's `PrefixStoreCache`
+        self.pose_cache = None  # Wan Animate 2's `PoseStoreCache`
 
     # --- one forward -----------------------------------------------------------------------------------
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
@@ -119,7 +116,7 @@ class RunState:
             return self.forward
         capture = frozenset(u for u, ok in zip(uuids, ready) if not ok)
         for u in capture:
-            self._drop(u)
+            self.drop_branch(u)
             self.branches[u] = Branch(ref_tokens=ref_tokens, rows=rows)
         self.forward = ForwardState(EXTRACT, uuids, rows, ref_tokens, capture)
         return self.forward
@@ -131,7 +128,7 @@ class RunState:
         try:
             self._end_forward(ok)
         finally:
-            self._tell("forward_done")
+            tell(self.telemetry, "forward_done")
 
     def _end_forward(self, ok: bool) -> None:
         fwd, self.forward = self.forward, None
@@ -147,11 +144,11 @@ class RunState:
                 try:
                     branch.store.flush()  # the file modes write in the background: their errors surface here
                 except KVWriteError as exc:
-                    self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+                    self.stand_down(WRITE_FAILED.format(exc))
                     return
                 branch.complete = True
             else:
-                self._drop(u)
+                self.drop_branch(u)
 
     def _ready(self, u, ref_tokens: int) -> bool:
         b = self.branches.get(u)
@@ -170,26 +167,18 @@ class RunState:
             # The stores of one forward each pick a tier at their first put, against the same free memory: size
             # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
             together = max(len(self.forward.capture), 1) if self.forward is not None else 1
-            per_layer = 2 * k.numel() * k.element_size()
-            branch.name = name = self._unique_name(label)
-            branch.store = self.store_factory(self.config, k.device, host=self.host,
-                                              expected_bytes=per_layer * self.n_layers * together, name=name)
-            self._track(name, branch.store)
+            branch.name = self.unique_name(label)
+            branch.store = self.open_store(branch.name, k.device, layer_bytes(k, v) * self.n_layers * together)
         try:
             branch.store.put(layer, k, v)
         except KVWriteError as exc:
             # Disk full or failing during the capture. This forward computes every layer from the full input
             # anyway, so stepping aside (recompute each step, no extra VRAM) finishes the generation, where
             # moving the cache to the GPU could run out of the VRAM a file mode was picked to save.
-            self.stand_down(f"the cache files could not be written, so caching is off for this run ({exc})")
+            self.stand_down(WRITE_FAILED.format(exc))
             return
         branch.layers.add(layer)
-        self._tell("progress")  # a capture step can take seconds: the readout shows the stores filling
-
-    def _unique_name(self, label: str) -> str:
-        """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
-        taken = {b.name for b in self.branches.values() if b.store is not None}
-        return next(n for n in (label, *(f"{label} {i}" for i in range(2, len(taken) + 2))) if n not in taken)
+        tell(self.telemetry, "progress")  # a capture step can take seconds: the readout shows the stores filling
 
     def get(self, u, layer: Hashable):
         """(k, v) of cond `u` at `layer`, on the compute device; valid until the next get on that store."""
@@ -201,13 +190,23 @@ class RunState:
             )
         return branch.store.get(layer)
 
-    def _track(self, name: str, store) -> None:
+    # --- stores -------------------------------------------------------------------------------------------
+    def unique_name(self, label: str) -> str:
+        """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
+        taken = {b.name for b in self.branches.values() if b.store is not None}
+        return next(n for n in (label, *(f"{label} {i}" for i in range(2, len(taken) + 2))) if n not in taken)
+
+    def open_store(self, name: str, device, expected_bytes: int, config=None):
+        """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
+        config = self.config if config is None else config
+        store = self.store_factory(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+        self.track_store(name, store)
+        return store
+
+    def track_store(self, name: str, store) -> None:
+        """Show `store` in the readout as `name`, and warn once if it runs in another mode than the one asked."""
         self._note_fallback(store)
-        if self.telemetry is not None:
-            try:
-                self.telemetry.track(name, store)
-            except Exception:  # the readout must never break sampling
-                log.debug("telemetry.track failed", exc_info=True)
+        tell(self.telemetry, "track", name, store)
 
     def _note_fallback(self, store) -> None:
         requested = getattr(self.config, "mode", None)
@@ -233,25 +232,15 @@ class RunState:
         self.forward = None
         for u in list(self.branches):
             try:
-                self._drop(u)
+                self.drop_branch(u)
             except Exception:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
     def step(self) -> None:
-        self._tell("step")
+        tell(self.telemetry, "step")
 
-    def _tell(self, what: str) -> None:
-        """Call the readout's `step` / `progress` / `forward_done`; it must never break sampling."""
-        if self.telemetry is not None:
-            try:
-                getattr(self.telemetry, what)()
-            except Exception:
-                log.debug("telemetry.%s failed", what, exc_info=True)
-
-    def stats(self) -> dict:
-        return {str(u): b.store.stats() for u, b in self.branches.items() if b.store is not None}
-
-    def _drop(self, u) -> None:
+    def drop_branch(self, u) -> None:
+        """Forget branch `u` (a cond, a prefix slot, a pose window) and close its store; nothing if it is gone."""
         branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
             branch.store.close()
@@ -265,7 +254,7 @@ class RunState:
         errors = []
         for u in list(self.branches):
             try:
-                self._drop(u)
+                self.drop_branch(u)
             except BaseException as e:  # close the others anyway, also after a Ctrl-C in one close
                 errors.append(e)
         self.branches.clear()

@@ -29,7 +29,8 @@ import torch
 from ..offload_core import OffloadConfig
 from .cache_dtype import storage_for_cache_dtype
 from .patches import repeat_to_batch_size
-from .state import Branch
+from .state import Branch, layer_bytes
+from .telemetry import tell
 from .wan_windows import Window, place_room, window_config, window_line
 
 log = logging.getLogger(__name__)
@@ -48,18 +49,21 @@ def is_ours(cache) -> bool:
     return isinstance(cache, PoseStoreCache)
 
 
-def claim_slot(to: dict, config: OffloadConfig, notes: list) -> OffloadConfig:
-    """Remove ComfyUI's own pose cache from `to` (our clone's options); honour its dtype, say so in `notes`."""
+def claim_slot(m, dm, config: OffloadConfig, to: dict, reuse: bool) -> "tuple[OffloadConfig, list]":
+    """Remove ComfyUI's own pose cache from `to` (our clone's options); `(config, notes)` after its dtype.
+
+    `m`, `dm` and `reuse` are not used: the model reads its cache from `to` alone, and pose windows are never
+    kept across runs.
+    """
     theirs = to.pop(CACHE_KEY, None)
     if theirs is None or is_ours(theirs):
-        return config
+        return config, []
     config, note = storage_for_cache_dtype(config, getattr(theirs, "dtype", None), LABEL)
     said = [f"KV Offload: {LABEL} found upstream; its pose cache is replaced by mode {config.mode.value}.",
             *([note] if note else [])]
     for line in said:
         log.warning(line)
-    notes.extend(said)
-    return config
+    return config, said
 
 
 def attach_cache(run, to: dict, n_blocks: int) -> "PoseStoreCache":
@@ -135,11 +139,12 @@ class PoseStoreCache:
             # keep every block's whole batch alive until the next select.
             self._fresh[i] = t.clone()
             return
+        half = (t.shape[1] + 1) // 2
+        k, v = t[:, :half], t[:, half:]
         branch = self.run.branches[w.sid]
         if branch.store is None:
-            self._open_store(w, branch, t)
-        half = (t.shape[1] + 1) // 2
-        self.run.put(w.sid, i, t[:, :half], t[:, half:], label=w.name)
+            self._open_store(w, branch, k, v)
+        self.run.put(w.sid, i, k, v, label=w.name)
         if self.run.stood_down:  # the store could not take it (disk full): recompute from here on
             self._fresh[i] = t.clone()
         elif len(branch.layers) == self.n_blocks:
@@ -172,16 +177,12 @@ class PoseStoreCache:
                          self.evictions, "; ".join(self._final["per_window"].values()))
         self._fresh.clear()
         for w in list(self.windows):
-            self.run._drop(w.sid)
+            self.run.drop_branch(w.sid)
         self.windows, self.slot = [], None
 
     def _show(self) -> None:
-        track = getattr(self.run.telemetry, "track_section", None)
-        if callable(track):
-            try:
-                track(CACHE_KEY, self)
-            except Exception:  # the readout must never break sampling
-                log.debug("telemetry.track_section failed", exc_info=True)
+        if callable(getattr(self.run.telemetry, "track_section", None)):
+            tell(self.run.telemetry, "track_section", CACHE_KEY, self)
 
     # -- budgets and room ----------------------------------------------------------------------------------
     def _complete(self, w: Window) -> bool:
@@ -190,15 +191,11 @@ class PoseStoreCache:
 
     def _drop(self, w: Window) -> None:
         self.windows.remove(w)
-        self.run._drop(w.sid)
+        self.run.drop_branch(w.sid)
 
-    def _open_store(self, w: Window, branch: Branch, t: torch.Tensor) -> None:
-        run = self.run
-        config = window_config(run.config, [self._bytes(o) for o in self.windows if o is not w])
-        branch.store = run.store_factory(config, t.device, host=run.host, name=w.name,
-                                         expected_bytes=t.numel() * t.element_size() * self.n_blocks)
-        run._track(w.name, branch.store)
-        w.store = branch.store
+    def _open_store(self, w: Window, branch: Branch, k: torch.Tensor, v: torch.Tensor) -> None:
+        config = window_config(self.run.config, [self._bytes(o) for o in self.windows if o is not w])
+        w.store = branch.store = self.run.open_store(w.name, k.device, layer_bytes(k, v) * self.n_blocks, config)
 
     def _bytes(self, w: Window) -> dict:
         """The window's bytes per place (refreshed while its store is open)."""

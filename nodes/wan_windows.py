@@ -14,8 +14,7 @@ from typing import Optional
 import torch
 
 from ..offload_core import Mode, OffloadConfig
-
-HOST_BYTES = ("host_pinned", "host_pageable")
+from ..offload_core.places import DEVICE, FILE, HOST_PLACES, MiB
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: a key tensor has no truth value
@@ -32,24 +31,22 @@ class Window:
 
 def window_line(w: Window) -> str:
     """e.g. "pose 2: device 0.0 MiB, RAM 96.0 MiB, file 32.0 MiB, 14 hits, prefetch wait 1.2 ms"."""
-    from .apply import MIB
-
     b = w.bytes
-    ram = sum(b.get(p) or 0 for p in HOST_BYTES)
+    ram = sum(b.get(p) or 0 for p in HOST_PLACES)
     stats = w.store.stats() if w.store is not None else {}
     wait = stats.get("exposed_wait_s") or 0.0
-    return (f"{w.name}: device {(b.get('device') or 0) / MIB:.1f} MiB, RAM {ram / MIB:.1f} MiB, "
-            f"file {(b.get('file') or 0) / MIB:.1f} MiB, {w.hits} hits, prefetch wait {wait * 1e3:.1f} ms")
+    return (f"{w.name}: device {(b.get(DEVICE) or 0) / MiB:.1f} MiB, RAM {ram / MiB:.1f} MiB, "
+            f"file {(b.get(FILE) or 0) / MiB:.1f} MiB, {w.hits} hits, prefetch wait {wait * 1e3:.1f} ms")
 
 
 def window_config(config: OffloadConfig, others: list) -> OffloadConfig:
     """A new window's config: what the other windows (`others`: their `stats()["bytes"]`) left of the budgets."""
     fields = {}
     if config.host_budget is not None:
-        used = sum((b.get(p) or 0) for b in others for p in HOST_BYTES)
+        used = sum((b.get(p) or 0) for b in others for p in HOST_PLACES)
         fields["host_budget"] = max(0, config.host_budget - used)
     if config.device_budget is not None:
-        used = sum((b.get("device") or 0) for b in others)
+        used = sum((b.get(DEVICE) or 0) for b in others)
         fields["device_budget"] = max(0, config.device_budget - used)
     return dataclasses.replace(config, **fields) if fields else config
 

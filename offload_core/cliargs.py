@@ -18,6 +18,9 @@ DEVICE_NAME = re.compile(r"(cpu|cuda|xpu|mps)(:\d+)?")
 # Device types torch knows that the tools do not run on (torch's list; told apart from a misspelling).
 OTHER_TORCH_DEVICES = ("meta", "hpu", "xla", "mtia", "maia", "ipu", "hip", "lazy", "vulkan", "ve", "fpga",
                        "mkldnn", "opengl", "opencl", "ideep", "privateuseone")
+# --dtype spellings -> torch dtype names (looked up in torch once the options have passed)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
 
 
 class Parser(argparse.ArgumentParser):

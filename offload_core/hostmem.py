@@ -24,6 +24,8 @@ from typing import Callable, Optional
 import psutil
 import torch
 
+from .places import GiB
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -219,13 +221,13 @@ class HostAllocator:
             self.fallback_reason = why
             log.warning(
                 "KV offload: %s (%s; this store has %.2f GiB pinned); the rest of this cache uses pageable memory, "
-                "so its copies are slower and not overlapped.", why, self._describe_budget(), self.pinned_bytes / 2**30,
+                "so its copies are slower and not overlapped.", why, self._describe_budget(), self.pinned_bytes / GiB,
             )
 
     def _describe_budget(self) -> str:
-        parts = [] if self.budget is None else [f"store budget {self.budget / 2**30:.2f} GiB"]
+        parts = [] if self.budget is None else [f"store budget {self.budget / GiB:.2f} GiB"]
         if self.shared is not None:
-            parts.append(f"process budget {self.shared.limit / 2**30:.2f} GiB, {self.shared.used / 2**30:.2f} GiB "
+            parts.append(f"process budget {self.shared.limit / GiB:.2f} GiB, {self.shared.used / GiB:.2f} GiB "
                          "of it in use by all stores")
         return "; ".join(parts) or "the host's pinned-memory budget"
 

@@ -13,6 +13,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+
 def _digest(t: torch.Tensor) -> torch.Tensor:
     """Three fp32 numbers on `t`'s device: the plain sum and two sums weighted by fixed position patterns."""
     x = t.detach().reshape(-1).float()
@@ -24,11 +25,17 @@ def _digest(t: torch.Tensor) -> torch.Tensor:
 class PrefixKey:
     """What a prefix's K/V were computed from. Build it with `PrefixKey.build`.
 
-    header: a hashable tuple of everything that is not tensor content (shapes, dtypes, model identity, scalars).
-    tensors: host copies of the content tensors, compared in full on a hit.
+    header: the adapter's hashable tuple of everything that is not tensor content (model identity, scalars,
+        options), as given to `build`. An adapter's header starts with the model that computes the prefix:
+        `(family, id of the model object, (ModelState.identity, ModelState.digest), ...)`, read back as
+        `scope`, `model_id` and `weights`.
+    shapes: `(shape, dtype name)` of each content tensor, in order.
+    digest: the header's and shapes' sha256, then the tensors' on-device digests (what the hash is made of).
+    tensors: the content tensors (host copies once kept by the registry), compared in full on a hit.
     """
 
     header: tuple
+    shapes: Tuple[Tuple[Tuple[int, ...], str], ...]
     digest: bytes
     tensors: Tuple[torch.Tensor, ...]
 
@@ -46,20 +53,35 @@ class PrefixKey:
             digest = b""
         # The header is hashed as its repr: it holds only plain values (ints, strings, tuples).
         head = hashlib.sha256(repr((header, shapes)).encode()).digest()
-        return cls((header, shapes), head + digest, tuple(tensors))
+        return cls(header, shapes, head + digest, tuple(tensors))
+
+    @property
+    def scope(self) -> tuple:
+        """`(family, id of the model object)`: which model computed the prefix."""
+        return self.header[:2]
+
+    @property
+    def model_id(self) -> int:
+        """`id()` of the model object that computed the prefix (its entries go when it is unloaded)."""
+        return self.header[1]
+
+    @property
+    def weights(self) -> bytes:
+        """The digest of that model's weights and module state (`fingerprint.ModelState.digest`)."""
+        return self.header[2][1]
 
     def __hash__(self) -> int:
         return hash(self.digest)
 
     def matches(self, other: "PrefixKey") -> bool:
-        """Full comparison: header, then every content tensor element by element."""
-        if self.header != other.header or self.digest != other.digest:
+        """Full comparison: header and shapes, then every content tensor element by element."""
+        if self.header != other.header or self.shapes != other.shapes or self.digest != other.digest:
             return False
         return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(self.tensors, other.tensors))
 
     def on_host(self) -> "PrefixKey":
         """The same key with its content copied to host memory (what an entry keeps: no VRAM between requests)."""
-        return PrefixKey(self.header, self.digest, tuple(t.to("cpu", copy=True) for t in self.tensors))
+        return PrefixKey(self.header, self.shapes, self.digest, tuple(t.to("cpu", copy=True) for t in self.tensors))
 
     @property
     def nbytes(self) -> int:

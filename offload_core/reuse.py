@@ -4,14 +4,12 @@ A prefix K/V cache that provably depends only on some inputs (FLUX.2 Klein KV: t
 2.1: prompt embedding, references, slots, target size) can serve a later request with the same inputs and skip
 the extraction pass. `PrefixRegistry` holds such stores between requests:
 
-- a `PrefixKey` (`prefix.py`) is a small hashable header (shapes, dtypes, model identity, scalars) plus content tensors. Its
-  hash uses a digest computed on the tensors' own device (three weighted sums per tensor: a few kernels and one
-  small copy to the host); on a digest match the full content, kept on the host, is compared with `torch.equal`,
-  so two different prefixes never share an entry, however their digests collide.
+- a `PrefixKey` (`prefix.py`) is hashed by a digest computed on its tensors' device; on a digest match the full
+  content is compared, so two different prefixes never share an entry, however their digests collide.
 - an entry is one completed store, sealed (read-only) and parked (its device ring freed) while it waits. A hit
   leases it to one request at a time; a request that finds its entry leased extracts anew.
-- byte budgets per place (`device`, `host` = pinned + pageable RAM, `file`) bound what is kept; least recently
-  used entries are evicted first, and eviction closes the store (frees its memory, deletes its files).
+- byte budgets per budget place (`device`, `host` = pinned + pageable RAM, `file`; `reusebudget.py`) bound what
+  is kept; least recently used entries are evicted first, and eviction closes the store (memory, files).
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
 
 The engine stays model-agnostic: what goes into a key is decided by the adapter (`offload_core.diffusers`, the
@@ -24,11 +22,12 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .prefix import PrefixKey  # noqa: F401 (the adapters import it from here)
-from .reusebudget import PLACES, BudgetSpec, free_in, parse_budget, store_places  # noqa: F401 (re-exported)
+from .places import BUDGET_PLACES, MiB
+from .prefix import PrefixKey
+from .reusebudget import BudgetSpec, limits, parse_budget, room_for, store_places
 from .tiers import KVFileError
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,6 @@ class _Counters:
     busy: int = 0
     last_eviction: Optional[str] = None
     last_rejection: Optional[str] = None
-    events: List[str] = field(default_factory=list)
 
 
 class PrefixRegistry:
@@ -134,17 +132,18 @@ class PrefixRegistry:
         return self._reject(store, reason, logging.INFO)
 
     def _reject(self, store, reason: str, level: int) -> bool:
-        """The one way an offered store is turned down: counted, logged, closed."""
-        self.note_rejection(reason)
-        log.log(level, "KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", reason)
+        """An offered store turned down: counted and logged as every rejection is, then closed."""
+        self.note_rejection(reason, level)
         store.close()
         return False
 
-    def note_rejection(self, why: str) -> None:
-        """Count a completed store the caller closed instead of offering it (e.g. its files go with a run)."""
+    def note_rejection(self, why: str, level: int = logging.INFO) -> None:
+        """Count and log a completed store that is not kept: the one path of every rejection, also of a store the
+        caller closes itself instead of offering it (e.g. its files go with a run)."""
         with self._lock:
             self._counters.rejected += 1
             self._counters.last_rejection = why
+        log.log(level, "KV offload reuse%s: not kept (%s)", f" [{self.name}]" if self.name else "", why)
 
     def _why_not(self, key: PrefixKey, store, places: Dict[str, int]) -> Tuple[Optional[str], List[Entry]]:
         """(None, the entries to evict first, oldest first) when `store` can be kept, else (why not, []).
@@ -154,26 +153,8 @@ class PrefixRegistry:
             return "the registry is closed", []
         if any(e.key.matches(key) for e in self._entries.get(hash(key), [])):
             return "an entry for the same prefix is kept already", []
-        limits = {p: self._limit(p, store) for p in PLACES}
-        for place, n in places.items():
-            if n > limits[place]:
-                return (f"it needs {n / 2**20:.1f} MiB of {place}, the reuse budget there is "
-                        f"{limits[place] / 2**20:.1f} MiB"), []
-        used = {p: self._used(p) + places[p] for p in PLACES}
-        victims: List[Entry] = []
-        for victim in self._lru.values():
-            if all(used[p] <= limits[p] for p in PLACES):
-                break
-            if not victim.leased:
-                victims.append(victim)
-                used = {p: used[p] - victim.places[p] for p in PLACES}
-        if not all(used[p] <= limits[p] for p in PLACES):
-            return "the entries that would have to go are in use", []
-        return None, victims
-
-    def _limit(self, place: str, store) -> int:
-        n = self.budget[place]
-        return n if n is not None else (self._used(place) + free_in(place, store)) // 4
+        kept = list(self._lru.values())
+        return room_for(places, limits(self.budget, kept, store), kept)
 
     def _used(self, place: str) -> int:
         return sum(e.places[place] for e in self._lru.values())
@@ -242,7 +223,7 @@ class PrefixRegistry:
                 "rejected": c.rejected, "busy": c.busy,
                 "last_eviction": c.last_eviction, "last_rejection": c.last_rejection,
                 "entries": len(self._lru),
-                "bytes": {p: self._used(p) for p in PLACES},
+                "bytes": {p: self._used(p) for p in BUDGET_PLACES},
                 "budget": dict(self.budget),
                 "held": [{"label": e.label, "hits": e.hits, "bytes": dict(e.places), "leased": e.leased,
                           "key_bytes": e.key.nbytes} for e in self._lru.values()],
@@ -250,19 +231,19 @@ class PrefixRegistry:
 
 
 def _close_quietly(store) -> None:
+    """Closes a store the registry no longer keeps. What closing can fail with (a file that cannot be deleted,
+    I/O that stays stuck, a device error) is logged, not raised: the registry goes on closing the others, and the
+    request that caused the eviction is not failed by a store it does not use."""
     try:
         store.close()
-    except Exception:
+    except (OSError, RuntimeError):
         log.warning("KV offload reuse: closing a kept store failed", exc_info=True)
 
 
 def _close_entries(lru: "OrderedDict[int, Entry]") -> None:
     # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included.
     for entry in list(lru.values()):
-        try:
-            entry.store.close()
-        except Exception:
-            pass
+        _close_quietly(entry.store)
     lru.clear()
 
 
@@ -270,7 +251,7 @@ def describe(stats: Optional[dict]) -> str:
     """One line for logs and the text readout, e.g. 'reuse: 3 hits, 1 miss, 2 kept (14.2 MiB host)'."""
     if not stats:
         return "reuse: off"
-    held = ", ".join(f"{n / 2**20:.1f} MiB {p}" for p, n in stats["bytes"].items() if n)
+    held = ", ".join(f"{n / MiB:.1f} MiB {p}" for p, n in stats["bytes"].items() if n)
     return (f"reuse: {stats['hits']} hit{'s' * (stats['hits'] != 1)}, {stats['misses']} "
             f"miss{'es' * (stats['misses'] != 1)}, {stats['entries']} kept" + (f" ({held})" if held else "")
             + (f", {stats['evictions']} evicted" if stats["evictions"] else ""))

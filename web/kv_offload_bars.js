@@ -8,12 +8,13 @@
 
 import { UNKNOWN, formatBytes, formatPercent, isKnown, sub, sumKnown } from "./kv_offload_units.js";
 
-// Where a KV cache's bytes lie: payload key, segment key (its colour), name in legends.
+// Where a KV cache's bytes lie, fastest first (`offload_core/places.py`): payload key, segment key (its colour),
+// name in legends, name in the readout's rows, name in the Settings node's compact line.
 export const KV_PLACES = [
-  { place: "device", key: "kv-device", name: "KV on device" },
-  { place: "host_pinned", key: "kv-pinned", name: "KV pinned" },
-  { place: "host_pageable", key: "kv-pageable", name: "KV pageable" },
-  { place: "file", key: "kv-file", name: "KV file" },
+  { place: "device", key: "kv-device", name: "KV on device", row: "device", short: "device" },
+  { place: "host_pinned", key: "kv-pinned", name: "KV pinned", row: "pinned RAM", short: "pinned" },
+  { place: "host_pageable", key: "kv-pageable", name: "KV pageable", row: "RAM", short: "RAM" },
+  { place: "file", key: "kv-file", name: "KV file", row: "file", short: "file" },
 ];
 
 function stores(payload) {

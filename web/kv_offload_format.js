@@ -7,7 +7,7 @@
 // kv_offload_bars.js; this module turns them into rows.
 
 import { UNKNOWN, formatBytes, formatDuration, formatRate, isKnown } from "./kv_offload_units.js";
-import { memoryBars } from "./kv_offload_bars.js";
+import { KV_PLACES, memoryBars } from "./kv_offload_bars.js";
 
 export * from "./kv_offload_units.js";
 
@@ -49,14 +49,13 @@ export function barRows(bar) {
   return [head, ...legend];
 }
 
-const PLACES = [["device", "device"], ["host_pinned", "pinned RAM"], ["host_pageable", "RAM"], ["file", "file"]];
-
 // "pinned RAM 1.20 GiB · file 300 MiB": the places that hold something; "nothing" when all are 0.
 export function formatPlaces(bytes) {
   if (!bytes || typeof bytes !== "object") return UNKNOWN;
-  const held = PLACES.filter(([k]) => isKnown(bytes[k]) && bytes[k] > 0).map(([k, name]) => `${name} ${formatBytes(bytes[k])}`);
+  const held = KV_PLACES.filter(({ place }) => isKnown(bytes[place]) && bytes[place] > 0)
+    .map(({ place, row }) => `${row} ${formatBytes(bytes[place])}`);
   if (held.length) return held.join(" \u00b7 ");
-  return PLACES.some(([k]) => isKnown(bytes[k])) ? "nothing" : UNKNOWN;
+  return KV_PLACES.some(({ place }) => isKnown(bytes[place])) ? "nothing" : UNKNOWN;
 }
 
 export function tierLine(store) {
@@ -114,8 +113,6 @@ export function buildReadout(payload) {
 
 // --- compact readout (the Settings node): two lines, each the longest variant that fits -----------------------
 
-const SHORT_PLACES = { device: "device", host_pinned: "pinned", host_pageable: "RAM", file: "file" };
-
 function firstFitting(variants, fits) {
   return variants.find((v) => fits(v)) ?? variants[variants.length - 1];
 }
@@ -147,10 +144,11 @@ function kvVariants(payload, own) {
   const bytes = {};
   for (const s of stores) {
     const b = (released ? s.bytes_while_open : s.bytes) || {};
-    for (const k of Object.keys(SHORT_PLACES)) if (isKnown(b[k])) bytes[k] = (bytes[k] || 0) + b[k];
+    for (const { place } of KV_PLACES) if (isKnown(b[place])) bytes[place] = (bytes[place] || 0) + b[place];
   }
   const total = Object.values(bytes).reduce((a, v) => a + v, 0);
-  const where = Object.keys(SHORT_PLACES).filter((k) => bytes[k] > 0).map((k) => `${SHORT_PLACES[k]} ${formatBytes(bytes[k])}`).join(" \u00b7 ");
+  const where = KV_PLACES.filter(({ place }) => bytes[place] > 0)
+    .map(({ place, short }) => `${short} ${formatBytes(bytes[place])}`).join(" \u00b7 ");
   const waits = stores.map((s) => s.exposed_wait_per_pass_s).filter(isKnown);
   const wait = waits.length ? `wait ${formatDuration(waits.reduce((a, v) => a + v, 0))}/step` : null;
   const lead = released ? `KV released, held ${formatBytes(total)}` : `KV ${formatBytes(total)}`;

@@ -16,10 +16,11 @@ from typing import Callable, List
 import numpy as np
 import torch
 
+from ..places import MiB
+
 BATCH = 4
 MODES = ("gpu", "ram_async", "file_async")
 VARIANTS = (("1", 1, None), (f"{BATCH}, dedup off", BATCH, False), (str(BATCH), BATCH, None))
-MiB = 2 ** 20
 
 
 def _request(pipe, call: Callable[[], dict], mode: str, batch: int, dedup, device: torch.device):
@@ -88,9 +89,8 @@ def main(args) -> int:
     import json
 
     from . import loading
-    from .cli import _pipeline
 
-    pipe, description = _pipeline(args)  # the pipeline `bench` would measure with these options
+    pipe, description = loading.pipeline(args)  # the pipeline `bench` would measure with these options
     call = loading.call_factory(pipe, builtin=args.model is None, steps=args.steps, resolution=args.resolution,
                                 n_images=args.images)
     rows = measure(pipe, call, steps=args.steps, runs=args.runs, device=args.device)

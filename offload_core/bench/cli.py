@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import cliargs
+from ..places import GiB
 from . import posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows
@@ -14,17 +15,13 @@ from .rows import VERDICT_KEYS, select_rows
 EXTRA = ("diffusers", "transformers", "PIL")
 INSTALL = 'pip install "comfyui-kv-offload[bench]"'
 
-# --dtype spellings -> torch dtype names (looked up in torch once the options have passed)
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = cliargs.Parser(prog="python -m offload_core bench", description=__doc__)
     p.add_argument("--model", metavar="PATH", help="local diffusers folder of Qwen-Image 2.1 or FLUX.2 Klein KV "
                    "(default: a built-in Qwen-Image 2.1 with random weights, nothing downloaded)")
     p.add_argument("--device", help="compute device (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), help="model dtype (default: bfloat16 on cuda, float32 else)")
+    p.add_argument("--dtype", choices=sorted(cliargs.DTYPES), help="model dtype (default: bfloat16 on cuda, float32 else)")
     p.add_argument("--steps", type=int, default=8, help="denoising steps per request (default 8)")
     p.add_argument("--resolution", type=int,
                    help="output and condition-image side in pixels, a multiple of 32 (default 256; 1024 at full size)")
@@ -93,7 +90,7 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     args.device = cliargs.device(parser, args.device)  # imports torch
     import torch
 
-    args.torch_dtype = getattr(torch, _DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")])
+    args.torch_dtype = getattr(torch, cliargs.DTYPES[args.dtype or ("bfloat16" if args.device.type == "cuda" else "float32")])
     if args.size == "full":  # before anything is allocated
         from . import fullsize
 
@@ -106,18 +103,6 @@ def _progress(total: int):
     except ImportError:
         return None
     return tqdm(total=total, desc="bench", unit="request", file=sys.stderr, leave=False)
-
-
-def _pipeline(args):
-    """(pipe, description) of the pipeline the options name."""
-    from . import fullsize, loading, models
-
-    if args.size == "full":
-        return fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
-    if args.pipeline == "flux2" and args.model is None:
-        pipe = models.flux2_klein_kv_pipeline(loading.BENCH_SIZE, device=args.device, dtype=args.torch_dtype)
-        return pipe, f"built-in Flux2KleinKVPipeline, random weights ({loading.BENCH_SIZE.layers} double layers)"
-    return loading.load(args.model, args.device, args.torch_dtype)
 
 
 def workload(args, rows: list[dict]) -> dict:
@@ -136,7 +121,7 @@ def workload(args, rows: list[dict]) -> dict:
     cache = branches * fullsize.kv_bytes(args.pipeline, torch.bfloat16, args.images, 1024)
     weights = fullsize.PARAMETERS[args.pipeline] * 2
     what = (f"a real {fullsize.NAMES[args.pipeline]} request (1024x1024, {args.images} condition image(s), bf16"
-            f"{', true CFG' if branches == 2 else ''}, beside its {weights / 2**30:.0f} GiB of weights)")
+            f"{', true CFG' if branches == 2 else ''}, beside its {weights / GiB:.0f} GiB of weights)")
     return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what,
             "can_skip_cache": args.can_skip_cache}
 
@@ -151,7 +136,7 @@ def run(args) -> tuple[list[dict], dict, str]:
     from .verdict import add_spread
 
     load = {"before": hardware.load()}
-    pipe, description = _pipeline(args)
+    pipe, description = loading.pipeline(args)
     rows, skipped = args.rows, ""
     args.can_skip_cache = loading.supports_no_cache(pipe)
     if not args.can_skip_cache and any(r.key == "none" for r in rows):

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..places import GiB
 from . import models
 
 QWEN21 = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
@@ -80,10 +81,10 @@ def shortfall(pipeline: str, device: torch.device, dtype: torch.dtype, images: i
     if free is None or free >= need:
         return None
     name = str(dtype).replace("torch.", "")
-    return (f"bench --size full: {NAMES[pipeline]} at full width needs about {need / 2**30:.1f} GiB on {device} "
+    return (f"bench --size full: {NAMES[pipeline]} at full width needs about {need / GiB:.1f} GiB on {device} "
             f"({PARAMETERS[pipeline] / 1e9:.2f}B parameters in {name}, a "
-            f"{kv_bytes(pipeline, dtype, images, resolution) / 2**30:.2f} GiB KV cache, "
-            f"{HEADROOM >> 30} GiB for activations); {free / 2**30:.1f} GiB are free. Run it on a larger device, "
+            f"{kv_bytes(pipeline, dtype, images, resolution) / GiB:.2f} GiB KV cache, "
+            f"{HEADROOM >> 30} GiB for activations); {free / GiB:.1f} GiB are free. Run it on a larger device, "
             "or use --size tiny.")
 
 

@@ -10,6 +10,8 @@ import tempfile
 import psutil
 import torch
 
+from ..places import GiB
+
 
 def _cpu_name() -> str:
     try:
@@ -18,7 +20,7 @@ def _cpu_name() -> str:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc (not Linux): the platform's own name below
     return platform.processor() or platform.machine()
 
 
@@ -54,9 +56,9 @@ def describe(device: torch.device) -> dict:
 
 def one_line(info: dict) -> str:
     parts = [f"{info['cpu']} ({info['cpu_count']} cores, {info['torch_threads']} torch threads)",
-             f"{info['ram_bytes'] / 2**30:.1f} GiB RAM"]
+             f"{info['ram_bytes'] / GiB:.1f} GiB RAM"]
     if info["device_name"]:
-        parts.append(f"{info['device_name']} ({info['device_memory_bytes'] / 2**30:.1f} GiB)")
+        parts.append(f"{info['device_name']} ({info['device_memory_bytes'] / GiB:.1f} GiB)")
     else:
         parts.append(f"device {info['device']}")
     parts.append(f"temp dir {info['temp_dir']} on {info['temp_fs'] or 'unknown fs'}")

@@ -6,12 +6,22 @@ from typing import Callable
 
 import torch
 
-from . import models
+from . import fullsize, models
 from .folder import check_model_folder
 
 # Default built-in model: wide enough that each layer's attention and MLP, not Python, dominate a step on a
 # CPU, small enough that the whole table prints in well under two minutes on two cores.
 BENCH_SIZE = models.TinySize(layers=6, heads=4, head_dim=128, context_dim=64)
+
+
+def pipeline(args):
+    """(pipe, description) of the pipeline `bench`'s options name (`--size`, `--pipeline`, `--model`)."""
+    if args.size == "full":
+        return fullsize.pipeline(args.pipeline, args.device, args.torch_dtype)
+    if args.pipeline == "flux2" and args.model is None:
+        pipe = models.flux2_klein_kv_pipeline(BENCH_SIZE, device=args.device, dtype=args.torch_dtype)
+        return pipe, f"built-in Flux2KleinKVPipeline, random weights ({BENCH_SIZE.layers} double layers)"
+    return load(args.model, args.device, args.torch_dtype)
 
 
 def load(model: str | None, device: torch.device, dtype: torch.dtype):

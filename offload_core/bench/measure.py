@@ -5,93 +5,17 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
-import re
 import statistics
 import time
 from typing import Callable
 
 import numpy as np
-import psutil
 import torch
 
 from ..diffusers import disable_kv_offload, enable_kv_offload
+from ..places import DEVICE, PLACES
+from .probes import RssPeak, UpstreamKVProbe
 from .rows import Row
-
-_TIERS = ("device", "host_pinned", "host_pageable", "file")
-
-
-class RssPeak:
-    """Peak resident set size of this process during a request.
-
-    Linux: the kernel's high-water mark (VmHWM), reset per request through /proc/self/clear_refs, so nothing
-    is missed between samples. Elsewhere: the RSS after the request (a lower bound), flagged as such.
-    """
-
-    def __init__(self):
-        self.exact = self._reset()
-
-    @staticmethod
-    def _reset() -> bool:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return True
-        except OSError:
-            return False
-
-    def start(self) -> None:
-        self.exact = self._reset()
-
-    def read(self) -> int:
-        if self.exact:
-            with open("/proc/self/status") as f:
-                match = re.search(r"VmHWM:\s+(\d+)\s+kB", f.read())
-            if match:
-                return int(match.group(1)) * 1024
-        return psutil.Process().memory_info().rss
-
-
-class UpstreamKVProbe:
-    """Sums the K/V bytes the unpatched pipeline's own cache holds (for the rows without our store)."""
-
-    def __init__(self, transformer):
-        self.caches: list = []
-        self.bytes_at_extract = 0  # FLUX.2 clears its cache before returning: count it as the extract step returns
-        self._handles = [
-            transformer.register_forward_pre_hook(self._seen_input, with_kwargs=True),
-            transformer.register_forward_hook(self._seen_output, with_kwargs=True),
-        ]
-
-    def _seen_input(self, module, args, kwargs):
-        cache = kwargs.get("kv_cache")
-        if cache is not None and all(cache is not c for c in self.caches):
-            self.caches.append(cache)
-
-    def _seen_output(self, module, args, kwargs, output):
-        cache = output[1] if isinstance(output, tuple) and len(output) > 1 else getattr(output, "kv_cache", None)
-        if cache is not None and kwargs.get("kv_cache_mode") == "extract":
-            self.bytes_at_extract += _cache_bytes(cache)
-
-    def total_bytes(self) -> int:
-        return sum(_cache_bytes(c) for c in self.caches) + self.bytes_at_extract
-
-    def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _cache_bytes(cache) -> int:
-    layers = getattr(cache, "layer_caches", None)
-    if layers is None:
-        layers = [*getattr(cache, "double_block_caches", []), *getattr(cache, "single_block_caches", [])]
-    total = 0
-    for layer in layers:
-        for name in ("k", "v", "k_ref", "v_ref"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
-
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -120,10 +44,10 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
               "peak_device_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if session is not None:
         stats = session.last_stats
-        sample["plan"] = {t: sum(s.get("plan", {}).get(t, 0) for s in stats) for t in _TIERS}
+        sample["plan"] = {t: sum(s.get("plan", {}).get(t, 0) for s in stats) for t in PLACES}
         sample["kv_error"] = _kv_error(stats)
         sample["cache_bytes"] = max((_aligned_cache_bytes(s) for s in stats), default=0)
-        sample["kv_bytes"] = {t: sum(s["bytes"][t] for s in stats) for t in _TIERS}
+        sample["kv_bytes"] = {t: sum(s["bytes"][t] for s in stats) for t in PLACES}
         sample["peak_kv_device"] = sum(s["peak_device_bytes"] for s in stats)
         sample["exposed_wait_s"] = sum(s["exposed_wait_s"] for s in stats)
         sample["tiers"] = sorted({s["tier"] for s in stats})
@@ -132,7 +56,7 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["pinned_fallback"] = any(s.get("pinned_fallback") for s in stats)
     else:
         kv = probe.total_bytes()
-        sample["kv_bytes"] = {t: (kv if t == "device" else 0) for t in _TIERS}
+        sample["kv_bytes"] = {t: (kv if t == DEVICE else 0) for t in PLACES}
         sample["peak_kv_device"] = kv
         sample["exposed_wait_s"] = 0.0
         sample["tiers"] = ["gpu"] if kv else []
@@ -232,7 +156,7 @@ def measure_rows(pipe, rows: list[Row], call_kwargs: Callable[[], dict], *, runs
     rows, reference = prepare_rows(pipe, rows, call_kwargs, device)
     samples: dict[str, list[dict]] = {row.key: [] for row in rows}
     # The model's own objects never become garbage: park them outside the collector so the per-request
-    # gc.collect() only walks what the requests allocate (a full walk costs ~0.3 s per request here).
+    # gc.collect() only walks what the requests allocate (a full walk per request would show in the latencies).
     gc.collect()
     gc.freeze()
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
+from ..places import MiB
 from .report import device_memory_column, memory_axis
 
 # 15 rows and more: each gets its own colour and its own marker (tab20 colours, no two alike).
@@ -46,7 +47,7 @@ def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: 
     except ImportError:
         return "--plot needs matplotlib, which is not installed: `pip install matplotlib`. The plot was skipped."
     field, _ = device_memory_column(rows)
-    mib = [(r[field] or 0) / 2**20 for r in rows]
+    mib = [(r[field] or 0) / MiB for r in rows]
     xs, ys = _spread_sideways(mib), [r["latency_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(10, 5.6))
     for i, r in enumerate(rows):

@@ -24,6 +24,7 @@ from typing import List, Optional
 import torch
 
 from .. import KVStore, OffloadConfig
+from ..places import HOST_PLACES, PLACES
 
 WAN_14B = {"dim": 5120, "num_layers": 40}  # ComfyUI's Wan 14B config (Wan Animate 2 is one)
 TINY_DIM = WAN_14B["dim"] // 40
@@ -35,7 +36,6 @@ BUDGET_SHARE = 0.5
 ROWS = (("gpu", "gpu", None), ("ram_sync", "ram_sync", None), (REFERENCE, REFERENCE, None),
         ("file_sync", "file_sync", None), ("file_async", "file_async", None),
         (f"ram budget {BUDGET_SHARE:.0%}", REFERENCE, BUDGET_SHARE))
-PLACES = ("device", "host_pinned", "host_pageable", "file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Reprojection:
 
 
 def _held_in_ram(stores: List[KVStore]) -> int:
-    return sum(s.stats()["bytes"][p] for s in stores for p in ("host_pinned", "host_pageable"))
+    return sum(s.stats()["bytes"][p] for s in stores for p in HOST_PLACES)
 
 
 def fill(config: OffloadConfig, sizes: PoseSizes, base: torch.Tensor, budget: Optional[int]) -> List[KVStore]:

@@ -9,10 +9,10 @@ import tempfile
 from typing import Optional
 
 from .. import cliargs
+from ..places import GiB, MiB
 
 FRAMES = 81
 MAX_WINDOWS = 16
-MiB, GiB = 1 << 20, 1 << 30
 WORKING = 6  # block-sized tensors beside the cache: the inputs, a block rebuilt, the joined take, norm, K, V
 # What --pose does not take: option -> why (its value is refused when set, or when not the default)
 NOT_FOR_POSE = {"model": "it builds its own pose cache", "modes": "it measures its own rows",
@@ -50,10 +50,9 @@ def check(args, parser: argparse.ArgumentParser) -> None:
     args.device = cliargs.device(parser, args.device)  # imports torch
     import torch
 
-    from .cli import _DTYPES
     from .pose import pose_sizes
 
-    args.sizes = pose_sizes(args.size, args.frames, args.windows, getattr(torch, _DTYPES[args.dtype or "bf16"]))
+    args.sizes = pose_sizes(args.size, args.frames, args.windows, getattr(torch, cliargs.DTYPES[args.dtype or "bf16"]))
     problem = shortfall(args.sizes, args.device, tempfile.gettempdir())
     if problem:
         parser.exit(2, problem + "\n")

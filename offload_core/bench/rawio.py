@@ -20,9 +20,9 @@ from typing import Dict, List
 
 import torch
 
+from ..places import GiB
 from ..tiers.fileio import O_DIRECT, drop_pages
 
-GiB = float(1 << 30)
 RING_CAP = 256 << 20  # the largest destination ring a pattern may use
 
 
@@ -114,7 +114,7 @@ def _open(path: str, flags: int, direct: bool):
         try:
             return os.open(path, flags | O_DIRECT), True
         except OSError:
-            pass
+            pass  # the filesystem refuses O_DIRECT: measured buffered, and reported so (the False below)
     return os.open(path, flags), False
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from ..places import DEVICE, FILE, PAGEABLE, PINNED, MiB
 from .rows import BASELINE_KEY
 from .verdict import SPREAD_LIMIT
 
@@ -11,12 +12,12 @@ JSON_VERSION = 2  # 2: each row's range, the machine's load and free memory, the
 
 
 def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:,.1f}"
+    return "-" if n is None else f"{n / MiB:,.1f}"
 
 
 def _kv_tiers(kv: dict) -> str:
     parts = [f"{name}={_mib(kv[tier])}" for tier, name in
-             (("device", "dev"), ("host_pinned", "pin"), ("host_pageable", "ram"), ("file", "file")) if kv[tier]]
+             ((DEVICE, "dev"), (PINNED, "pin"), (PAGEABLE, "ram"), (FILE, "file")) if kv[tier]]
     return " ".join(parts) or "-"
 
 

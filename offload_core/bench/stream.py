@@ -11,9 +11,9 @@ from typing import Dict, List
 import torch
 
 from .. import KVStore, OffloadConfig
+from ..places import GiB
 from ..tiers import fileio, fileowner
 from . import rawio, streamreport
-from .rawio import GiB
 
 
 def _layer(nbytes: int, device: torch.device):
@@ -157,6 +157,6 @@ def run(args) -> Dict[str, object]:
 
 
 def _io_depth() -> int:
-    from ..tiers.file import IO_DEPTH
+    from ..tiers.iopool import IO_DEPTH
 
     return IO_DEPTH

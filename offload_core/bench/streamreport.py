@@ -10,8 +10,8 @@ from typing import Dict, List
 
 import torch
 
+from ..places import GiB
 from . import rawio
-from .rawio import GiB
 
 NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %
 

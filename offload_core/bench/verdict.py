@@ -8,9 +8,9 @@ The measured rows then say what the pick costs here, and whether this run can te
 
 from __future__ import annotations
 
+from ..places import GiB, MiB
 from .rows import BASELINE_KEY
 
-GiB = 2**30
 SPREAD_LIMIT = 0.25  # a row whose slowest and fastest request differ by more than this share of its median
 HOST_SHARE = 0.5  # RAM or a disk takes the cache when the cache is at most this share of what is free there
 BUDGET_STEP = 256 << 20  # a recommended budget is rounded down to this
@@ -102,8 +102,8 @@ def _fallback(pick: dict, rows: list[dict], unified: bool) -> str | None:
         return None
     best = min(saves, key=lambda r: (r["peak_kv_device"], r["latency_s"]))
     return (f"if that memory gets tight: '{best['label']}' was not measurably slower here "
-            f"({best['latency_s'] / pick['latency_s']:.2f}x) and kept {best['peak_kv_device'] / 2**20:.1f} MiB of "
-            f"K/V on the device instead of {pick['peak_kv_device'] / 2**20:.1f}")
+            f"({best['latency_s'] / pick['latency_s']:.2f}x) and kept {best['peak_kv_device'] / MiB:.1f} MiB of "
+            f"K/V on the device instead of {pick['peak_kv_device'] / MiB:.1f}")
 
 
 def recommend(rows: list[dict], free: dict, workload: dict) -> dict:

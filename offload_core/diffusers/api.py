@@ -7,7 +7,8 @@ import logging
 import diffusers
 
 from .. import HostServices, Mode
-from ..reuse import PrefixRegistry, parse_budget
+from ..reuse import PrefixRegistry
+from ..reusebudget import parse_budget
 from . import flux2, qwenimage21
 from .pipeguard import session_of
 from .session import OffloadSession, make_config

@@ -23,12 +23,13 @@ import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
 from ..fingerprint import ModelState, Unkeyable, model_state, plain
-from ..reuse import PrefixKey, PrefixRegistry
+from ..prefix import PrefixKey
+from ..reuse import PrefixRegistry
+from .closing import close_or_keep, give_back, log_summary, raise_first
 from .keys import attention_backend, check_numerics, is_ours
 from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
 
 logger = logging.getLogger(__name__)
-
 
 
 class OffloadSession:
@@ -119,10 +120,8 @@ class OffloadSession:
         """Evict entries of the same transformer made from other weights (LoRA fused, weights edited): no later
         request is likely to hit them. Entries of the same weights in another module state stay (a backend or a
         hook switched off again hits them)."""
-        scope, digest = key.header[0][:2], key.header[0][2][1]
-
         def stale(kept: PrefixKey) -> bool:
-            return kept.header[0][:2] == scope and kept.header[0][2][1] != digest
+            return kept.scope == key.scope and kept.weights != key.weights
 
         self.reuse.evict_where(stale, "the transformer's weights changed", leased=False)
 
@@ -167,40 +166,16 @@ class OffloadSession:
         refused, self.refused = self.refused, None
         if not stores and not leases:
             return
-        stats, errors = [], []
-        for entry in leases:  # back to the registry; a failed request may have left it half read: evict it
-            stats.append(_stats_of(entry.store, "hit", errors))
-            try:
-                self.reuse.release(entry, ok=raise_errors)
-            except BaseException as exc:
-                errors.append(exc)
-        for store in stores:  # every store gets closed or kept, whatever fails on the way (a Ctrl-C included)
-            key = keys.get(id(store)) if raise_errors and id(store) in complete else None
-            entry_stats = _stats_of(store, "off" if self.reuse is None else "not kept", errors)
-            entry_stats["fallback"] = self._fallbacks.pop(id(store), None)  # a store that fell back is never kept
-            if refused is not None:
-                entry_stats.update(reuse="off", reuse_refused=refused)
-            try:
-                if key is not None and not store.closed and self.reuse.admit(key, store, label=store.name):
-                    entry_stats["reuse"] = "kept"
-                else:
-                    store.close()
-            except BaseException as exc:
-                errors.append(exc)
-                _close_quietly(store)
-            stats.append(entry_stats)
+        errors: list[BaseException] = []
+        kept = {id(s): keys.get(id(s)) for s in stores if raise_errors and id(s) in complete}
+        stats = give_back(self.reuse, leases, raise_errors, errors)
+        stats += close_or_keep(self.reuse, stores, kept, self._fallbacks, refused, errors)
         key_s = sum(state.seconds for state in states.values())
         for entry_stats in stats:
             entry_stats["reuse_key_s"] = key_s  # reading the model for the key, once per request
         self.last_stats = stats
-        _log_summary(stats)
-        interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
-        if interrupt is not None:
-            raise interrupt  # only once every store is closed
-        if errors and raise_errors:
-            raise errors[0]
-        for error in errors:
-            logger.error("KV offload: closing a store failed: %r", error)
+        log_summary(stats)
+        raise_first(errors, raise_errors)
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def add_hook(self, handle) -> None:
@@ -234,32 +209,6 @@ class OffloadSession:
             pipe = self.pipe
             object.__setattr__(pipe, "__class__", type(pipe)._kv_offload_base)
             object.__delattr__(pipe, SESSION_ATTR)
-
-
-def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
-    try:
-        return {**store.stats(), "reuse": reuse}
-    except BaseException as exc:  # an interrupt too: raised by end_request once every store is closed
-        errors.append(exc)
-        return {"name": store.name, "reuse": reuse, "bytes": {}, "exposed_wait_s": 0.0, "tier": None}
-
-
-def _close_quietly(store: KVStore) -> None:
-    """A second try after `close` or `admit` failed; an interrupt here is dropped: the first one is re-raised."""
-    try:
-        store.close()
-    except BaseException:
-        logger.error("KV offload: closing a store failed", exc_info=True)
-
-
-def _log_summary(stats: list[dict]) -> None:
-    if not stats:
-        return
-    total = sum(sum(s["bytes"].values()) for s in stats)
-    wait = sum(s["exposed_wait_s"] for s in stats)
-    tiers = ", ".join(f"{s['name']}={s['tier']}" for s in stats)
-    logger.info("KV offload: %d cache(s) closed (%s), %.1f MiB, exposed wait %.3f s",
-                len(stats), tiers, total / 2**20, wait)
 
 
 def make_config(mode: Mode | str, config_fields: dict) -> OffloadConfig:

@@ -18,8 +18,9 @@ import torch
 from ..devices import DONE, Fence, Streams
 from ..hostmem import HostAllocator
 from ..layout import LayerLayout
+from .iopool import load_timeout
 
-TRANSFER_TIMEOUT_S = 600.0  # a load that has not finished by then is a hang, not a slow disk
+TRANSFER_TIMEOUT_S = load_timeout()  # a load that has not finished by then is a hang, not a slow disk
 
 
 @dataclass

@@ -30,29 +30,10 @@ from .fileio import checksum_module, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
 from .filewrite import LayerFile, Writer
-from .iopool import IOPool, io_timeout
+from .iopool import IO_DEPTH, IOPool, io_timeout
 
 log = logging.getLogger(__name__)
 
-# Requests in flight per store: a disk needs several to reach its limit (docs/benchmark.md, "Engine
-# measurements"); `python -m offload_core stream` measures it on yours (KV_OFFLOAD_IO_DEPTH overrides it).
-MAX_IO_DEPTH = 64
-
-
-def io_depth(raw: Optional[str]) -> int:
-    """`KV_OFFLOAD_IO_DEPTH` as a request count from 1 to `MAX_IO_DEPTH`: unset means 4; a count out of range is
-    clamped into it, anything else (a sign, a space, a fraction) gives 4, each with a warning naming the variable."""
-    if raw is None or raw == "":
-        return 4
-    value = int(raw) if raw.isdigit() else None
-    used = 4 if value is None else min(max(value, 1), MAX_IO_DEPTH)
-    if used != value:
-        log.warning("KV offload: KV_OFFLOAD_IO_DEPTH=%r is not a whole number from 1 to %d; using %d requests in "
-                    "flight. Set it to e.g. 4, or unset it.", raw, MAX_IO_DEPTH, used)
-    return used
-
-
-IO_DEPTH = io_depth(os.environ.get("KV_OFFLOAD_IO_DEPTH"))
 # Threads checksumming chunks (xxh3 releases the GIL): two keep up with an NVMe drive and never delay a
 # request, since the I/O threads hand them each chunk and go on.
 HASH_THREADS = 2

@@ -1,4 +1,5 @@
-"""Layer files on disk: checked opens, chunked parallel reads and writes, checksums, page-cache bypass.
+"""Layer files on disk: checked opens, chunked parallel reads, checksums, page-cache bypass (writing a layer file
+is `filesave.py`).
 
 What each system offers is `fileos.CURRENT`'s to say. On Linux, `O_DIRECT` needs the buffer, the offset and
 the length aligned to the block size; our buffers are anonymous mmaps (page-aligned), layer files are multiples
@@ -20,7 +21,6 @@ import errno
 import functools
 import logging
 import os
-import shutil
 import stat
 import uuid
 from typing import List, Optional, Tuple
@@ -32,7 +32,7 @@ from .fileos import Handle
 log = logging.getLogger(__name__)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # this process's own value, for the benchmark's raw I/O
-CHUNK = 8 << 20  # bytes per request; several in flight (see file.IO_DEPTH) keep the disk's queue full
+CHUNK = 8 << 20  # bytes per request; several in flight (see iopool.IO_DEPTH) keep the disk's queue full
 CHECKSUM = "xxh3_64"
 
 # statfs f_type of filesystems whose files live in RAM (linux/magic.h): a file tier there saves no memory.
@@ -124,98 +124,16 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
         try:
             fs.unlink(path)
         except FileNotFoundError:
-            pass
+            pass  # the probe never created it: nothing to remove
 
 
 def drop_pages(f: Handle) -> None:
     fileos.current().drop_pages(f.fd)
 
 
-def _cause(exc: OSError) -> str:
+def os_cause(exc: OSError) -> str:
+    """`exc` as its errno name and message, e.g. "ENOSPC: No space left on device"."""
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc}"
-
-
-# -- writing -----------------------------------------------------------------------------------------------
-def reserve(path: str, length: int, cache_mode: str) -> Handle:
-    """Creates `path` (a temp name) with `length` bytes allocated; returns it, opened for writing.
-
-    Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
-    instead of in a background write later. (`O_DIRECT` is set after the allocation: its writes bypass the
-    page cache, the allocation is metadata.)
-    """
-    fs = fileos.current()
-    try:
-        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode="off" if cache_mode == "o_direct" else cache_mode)
-    except OSError as exc:
-        raise write_error(path, length, exc) from None
-    try:
-        fs.reserve(f.fd, length)
-        if cache_mode == "o_direct":
-            fs.fcntl.fcntl(f.fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(f.fd, fs.fcntl.F_GETFL) | fs.o_direct)
-    except BaseException as exc:  # an interrupt too: no descriptor or temp file may outlive a failed reserve
-        f.close()
-        discard(path)
-        if isinstance(exc, OSError):
-            raise write_error(path, length, exc) from None
-        raise
-    return f
-
-
-def write_error(path: str, length: int, exc: OSError) -> KVWriteError:
-    directory = os.path.dirname(path)
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            free = f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB free"
-        except OSError:
-            free = "free space unknown"
-        return KVWriteError(f"KV offload: the disk holding {directory!r} is full ({_cause(exc)}): a layer file needs "
-                            f"{_size(length)}, {free}. Free space there, point `file_dir` at a bigger "
-                            "disk, or pick a RAM mode.")
-    return KVWriteError(f"KV offload: could not write layer file {path!r} in {directory!r} ({_cause(exc)}); "
-                        f"{_size(length)} were to be written.")
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def pwrite_all(f: Handle, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        try:
-            n = f.pwrite(view[done:], offset + done)
-        except OSError as exc:
-            raise write_error(path, len(view), exc) from None
-        if n <= 0:
-            raise KVWriteError(f"KV offload: writing layer file {path!r} made no progress at byte {offset + done}.")
-        done += n
-
-
-def finish_write(f: Handle, tmp: str, path: str, cache_mode: str, length: int) -> None:
-    """Flushes as `cache_mode` needs, closes `f` and renames `tmp` to `path` (atomic for readers)."""
-    fs = fileos.current()
-    try:
-        if cache_mode == "fadvise":
-            fs.sync(f.fd)  # dirty pages cannot be dropped; flush them first
-            drop_pages(f)
-        # No fsync otherwise: with O_DIRECT / F_NOCACHE the data went past the cache, and a cache that a crash
-        # interrupts is garbage anyway (the next store reclaims it); the rename makes the file whole for readers.
-        f.close()  # before the rename, which Windows refuses for an open file
-        fs.replace(tmp, path)
-    except OSError as exc:
-        if f.fd >= 0:
-            f.close()
-        discard(tmp)
-        raise write_error(path, length, exc) from None
-
-
-def discard(path: str) -> None:
-    try:
-        fileos.current().unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("KV offload: could not remove %r (%s)", path, exc)
 
 
 # -- reading -----------------------------------------------------------------------------------------------
@@ -233,7 +151,7 @@ def open_checked(path: str, length: int, cache_mode: str) -> Handle:
         except OSError:
             kind = None
         what = f"is {kind}, and cannot be opened" if kind not in (None, "a regular file") else "cannot be opened"
-        raise KVFileError(f"KV layer file {path!r} {what} ({_cause(exc)}); it was replaced or changed while the "
+        raise KVFileError(f"KV layer file {path!r} {what} ({os_cause(exc)}); it was replaced or changed while the "
                           "cache was in use.") from None
     try:
         st = fs.os.fstat(f.fd)
@@ -271,7 +189,7 @@ def pread_exact(f: Handle, view: memoryview, offset: int, path: str, head: Optio
             n = f.preadv(rest, offset + done)
         except OSError as exc:
             raise KVFileError(f"KV layer file {path!r} could not be read at byte {offset + done} "
-                              f"({_cause(exc)}).") from None
+                              f"({os_cause(exc)}).") from None
         if n <= 0:
             raise KVFileError(f"KV layer file {path!r} ended at byte {offset + done}, expected more: it was "
                               "truncated while the cache was in use.")

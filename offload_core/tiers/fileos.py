@@ -157,7 +157,7 @@ class FileOS:
                 self.os.lseek(fd, 0, 0)
                 self.msvcrt.locking(fd, self.msvcrt.LK_UNLCK, 1)
         except OSError:
-            pass
+            pass  # not held any more: closing the descriptor below releases whatever is left
         finally:
             self.os.close(fd)
 

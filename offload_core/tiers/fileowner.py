@@ -45,7 +45,7 @@ def remove_tree(path: str, keep: Optional[str] = None) -> List[Tuple[str, str]]:
         try:
             fn(target)
         except FileNotFoundError:
-            pass
+            pass  # removed meanwhile (by its owner, or by another reclaiming store): what we wanted
         except OSError as exc:
             problems.append((target, f"{type(exc).__name__}: {exc}"))
 

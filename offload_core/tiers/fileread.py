@@ -81,14 +81,13 @@ class Reader:
         """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given);
         returns (staging item, fd, futures)."""
         if previous is not None:
-            try:
-                previous.result(timeout=io_timeout())
-            except cf.TimeoutError:
-                if not previous.done():
-                    raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
-                                       "read into the same buffer; the disk is not answering.") from None
-            except BaseException:
-                pass  # the earlier load failed: it no longer writes into the slot
+            # Only its end matters here, not how it ended: a failed earlier load no longer writes into the slot,
+            # and its error is its own reader's. `wait` never raises that error, so a Ctrl-C that arrives while
+            # this thread waits (`file_sync` runs it on the consumer's thread) is the only thing it can raise;
+            # nothing is taken yet, so it propagates as it is.
+            if not cf.wait([previous], timeout=io_timeout()).done:
+                raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
+                                   "read into the same buffer; the disk is not answering.")
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
@@ -157,14 +156,10 @@ class Reader:
         last wave of a layer (its last `workers` chunks, never the first, which carries the header), as
         `TAIL_PARTS` requests.
 
-        A `file_sync` read ends when its slowest last request does; the requests of the last wave end at
-        different times, and the disk's queue drains meanwhile. Shorter requests there drain it for a shorter
-        time: over a get of a 64 MiB layer, 3.7 instead of 3.2 requests in flight on average (measured). That
-        should pay where throughput grows with depth (NVMe drives); not measured there. On the virtual disks
-        this was measured on, which gain little past depth 2, the get loop moved within the noise (+3.3 %,
-        median of 20 alternations, 11 of them faster). Not in `file_async`: its start lane queues the next
-        layer's requests behind these, so the queue does not drain at a layer's end, and the extra requests
-        only cost (on a fast disk, exposed wait 21.8 -> 31.6 ms a pass, median of 10)."""
+        A `file_sync` read ends when its slowest last request does, and the disk's queue drains while the last
+        wave's requests end one by one: shorter requests there keep it fuller up to the layer's end. Not in
+        `file_async`, whose start lane queues the next layer's requests behind these, so its queue never drains
+        at a layer's end (docs/benchmark.md has the measurements)."""
         part = (n // TAIL_PARTS) // ALIGN * ALIGN
         if self._lanes or index == 0 or index < count - self._chunks.workers or part == 0:
             return [None]

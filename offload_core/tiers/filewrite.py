@@ -25,7 +25,8 @@ from ..layout import LayerLayout, copy_range, safetensors_header
 from . import fileio
 from .base import TierContext
 from .fileos import Handle
-from .fileio import CHECKSUM, KVWriteError, chunks, digest, discard, finish_write, pwrite_all, reserve
+from .fileio import CHECKSUM, KVWriteError, chunks, digest
+from .filesave import discard, finish_write, pwrite_all, reserve
 from .iopool import IOPool, IOStuckError, Then, wait_all, when_done
 from .staging import StagingPool
 

@@ -9,28 +9,33 @@ ones still running were doing, so the caller can abandon them (and the buffers t
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Callable, Dict, Iterable, List, Optional
 
+from ..env import env_int, env_seconds
 
-def _env_seconds(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, default))
-    except ValueError:
-        value = default
-    return value if value > 0 else default
-
+# Requests in flight per file store: enough to keep a disk's queue full, since one sequential stream leaves most
+# disks below their limit (`python -m offload_core stream` measures the depth a disk needs).
+IO_DEPTH = env_int("KV_OFFLOAD_IO_DEPTH", 4, low=1, high=64)
 
 # The longest any single file operation (one layer's read or write, or the wait for one) may take before it
 # counts as stuck. Read at call time, so tests (and users with slow network disks) can change it.
-IO_TIMEOUT_S = _env_seconds("KV_OFFLOAD_IO_TIMEOUT_S", 120.0)
+IO_TIMEOUT_S = env_seconds("KV_OFFLOAD_IO_TIMEOUT_S", 120.0)
+
+# A consumer's wait for one load spans at most this many of those operations in a row: the job ahead of it on
+# its lane, the earlier load into its slot, the layer's write, a free staging buffer, the reads.
+LOAD_STEPS = 5
 
 
 def io_timeout() -> float:
     return IO_TIMEOUT_S
+
+
+def load_timeout() -> float:
+    """The bound of a consumer's wait for one layer load, in units of `KV_OFFLOAD_IO_TIMEOUT_S` (600 s by default)."""
+    return LOAD_STEPS * IO_TIMEOUT_S
 
 
 class IOStuckError(TimeoutError):

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("diffusers", reason="the benchmark needs diffusers 0.42")
 
 from offload_core.bench import main  # noqa: E402
-from offload_core.bench.measure import RssPeak  # noqa: E402
+from offload_core.bench.probes import RssPeak  # noqa: E402
 from offload_core.bench.rows import ALL_ROWS, select_rows  # noqa: E402
 
 COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device", "peak_rss", "kv_bytes",

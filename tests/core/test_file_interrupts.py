@@ -1,9 +1,12 @@
 """Ctrl-C at every await point of the file tiers: inside close(), at every step of a put's chunk ring, while
-the write staging is freed, while a layer file is allocated, between the requests of a read. Each leaves no
+the write staging is freed, while a layer file is allocated, between the requests of a read, while a read waits
+for the earlier one into its slot. Each leaves no
 descriptor, temp file, staging place or directory behind, and the store works (or closes) as before."""
 
 import os
 import signal
+import sys
+import threading
 import time
 
 import pytest
@@ -186,5 +189,73 @@ def test_ctrl_c_between_the_requests_of_a_read_loses_nothing(at, tmp_path, monke
     wait_until(lambda: staging._free.qsize() == len(staging._all))  # every read staging place back
     k, v = store.get(1)
     assert torch.equal(k, data[1][0]) and torch.equal(v, data[1][1])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def _waiting_in(thread_id, function):
+    """True while thread `thread_id` blocks in a `threading` wait called (at any depth) from `function`."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None or frame.f_code.co_name != "wait" or not frame.f_code.co_filename.endswith("threading.py"):
+        return False
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill") or not os.path.isdir("/proc/self/fd"),
+                    reason="sends Ctrl-C to one thread and counts open descriptors in /proc")
+def test_ctrl_c_while_a_read_waits_for_the_earlier_read_into_its_slot_propagates(tmp_path, monkeypatch, wait_until):
+    """`file_sync` on a CPU reads straight into the ring's slot, so a read first waits for the requests of the last
+    read into that slot. An interrupted get left requests running there (a slow disk: they wait on `disk`); the
+    next get waits for them, and a real Ctrl-C during that wait reaches the caller. Once the disk answers, every
+    descriptor and staging buffer is back, the layer reads right and close() leaves nothing."""
+    from offload_core.tiers import fileread
+
+    data = layers(2)
+    store = file_store("file_sync", tmp_path, data, put=data)
+    store.flush()
+    tier = store._tiers["file"]
+    fds = len(os.listdir("/proc/self/fd"))
+    asked, disk = threading.Event(), threading.Event()
+    real_pread, real_wait_all = fileread.pread_exact, fileread.wait_all
+
+    def slow_pread(*args, **kwargs):
+        asked.set()
+        assert disk.wait(30), "the test never let the disk answer"
+        return real_pread(*args, **kwargs)
+
+    def interrupted_wait_all(futures, what, timeout=None):
+        monkeypatch.setattr(fileread, "wait_all", real_wait_all)
+        assert asked.wait(10)
+        raise KeyboardInterrupt  # the first Ctrl-C: while a request of the read is inside the disk
+
+    monkeypatch.setattr(fileread, "pread_exact", slow_pread)
+    monkeypatch.setattr(fileread, "wait_all", interrupted_wait_all)
+    with pytest.raises(KeyboardInterrupt):
+        store.get(0)
+    assert any(not gate.done() for gate in tier._reader.filling.values())  # the next read into the slot waits
+
+    main = threading.get_ident()
+
+    def ctrl_c_once_waiting():
+        wait_until(lambda: _waiting_in(main, "_start_read"))
+        signal.pthread_kill(main, signal.SIGINT)  # a real Ctrl-C, to the thread that waits
+
+    sender = threading.Thread(target=ctrl_c_once_waiting)
+    sender.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.get(0)
+    finally:
+        sender.join()
+        disk.set()
+    monkeypatch.setattr(fileread, "pread_exact", real_pread)
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)
+    staging = tier._reader.staging
+    wait_until(lambda: staging._free.qsize() == len(staging._all))
+    for key in (0, 1):
+        k, v = store.get(key)
+        assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
     store.close()
     assert os.listdir(tmp_path) == []

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from offload_core import passive
-from offload_core.fingerprint import Unkeyable, content_digest, model_state, plain
+from offload_core.contentdigest import content_digest
+from offload_core.fingerprint import Unkeyable, model_state, plain
 
 CPU = torch.device("cpu")
 

@@ -9,32 +9,11 @@ import threading
 import pytest
 import torch
 
-from offload_core import KVStore, Mode, OffloadConfig
-from offload_core import prefix, reuse
-from offload_core.reuse import PrefixKey, PrefixRegistry, parse_budget
-
-from store_helpers import make_layers, put_all
-
-TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]
-LAYERS = 3
-
-
-def filled_store(mode, tmp_path, seed=0, tokens=16):
-    config = OffloadConfig(mode=mode, file_dir=str(tmp_path) if Mode(mode).is_file else None)
-    store = KVStore(config, "cpu")
-    layers = make_layers(range(LAYERS), torch.float32, seed=seed, shape=(1, tokens, 2, 8))
-    put_all(store, layers)
-    for i in range(LAYERS):  # one request's cached steps: the store learns its order and fills its ring
-        store.get(i)
-    return store, layers
-
-
-def key(*tensors, header=("model", 1)):
-    return PrefixKey.build(header, list(tensors))
-
-
-def files(path):
-    return [f for _, _, fs in os.walk(path) for f in fs]
+from offload_core import KVStore, OffloadConfig
+from offload_core import prefix, reusebudget
+from offload_core.reuse import PrefixRegistry
+from offload_core.reusebudget import parse_budget
+from registry_stores import LAYERS, TIERS, files, filled_store, key
 
 
 @pytest.mark.parametrize("mode", TIERS)
@@ -87,7 +66,7 @@ def test_a_digest_collision_is_still_a_miss(tmp_path, monkeypatch):
 
 def test_budget_evicts_least_recently_used_and_deletes_its_files(tmp_path):
     one, _ = filled_store("file_sync", tmp_path, seed=0)
-    size = reuse.store_places(one.stats())["file"]
+    size = reusebudget.store_places(one.stats())["file"]
     registry = PrefixRegistry({"file": 2 * size, "host": 1 << 30})
     a, b, c = (torch.full((1, 2), float(i)) for i in range(3))
     registry.admit(key(a), one)
@@ -158,7 +137,8 @@ def test_process_exit_leaves_no_files(tmp_path):
     script = textwrap.dedent(f"""
         import torch
         from offload_core import KVStore, OffloadConfig
-        from offload_core.reuse import PrefixKey, PrefixRegistry
+        from offload_core.prefix import PrefixKey
+        from offload_core.reuse import PrefixRegistry
         registry = PrefixRegistry({{"file": 1 << 30, "host": 1 << 30}})
         store = KVStore(OffloadConfig(mode="file_sync", file_dir={str(tmp_path)!r}), "cpu")
         store.put(0, torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2, 8))
@@ -198,7 +178,7 @@ def test_an_admission_that_cannot_succeed_evicts_nothing(tmp_path):
     big, _ = filled_store("ram_sync", tmp_path, seed=1, tokens=300)
     for store in (small, big):
         store.park()  # as admitted: without the ring's slots, which count as host RAM on a CPU
-    sizes = [reuse.store_places(s.stats())["host"] for s in (small, big)]
+    sizes = [reusebudget.store_places(s.stats())["host"] for s in (small, big)]
     registry = PrefixRegistry({"host": sum(sizes)})
     assert registry.admit(key(torch.zeros(1)), small) and registry.admit(key(torch.ones(1)), big)
     reading = registry.lookup(key(torch.ones(1)))  # the big entry is in use: evicting the small one frees too little

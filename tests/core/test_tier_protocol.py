@@ -38,13 +38,3 @@ def test_every_tier_loads_a_layer_into_a_slot_it_made(mode, place, tmp_path):
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
         tier.release_slot(slot)
 
-
-@pytest.mark.parametrize("raw, expected, warns", [
-    (None, 4, False), ("", 4, False), ("8", 8, False), ("0", 1, True), ("100", 64, True), ("-3", 4, True),
-    (" 2", 4, True), ("abc", 4, True), ("2.5", 4, True),
-])
-def test_a_bad_io_depth_is_named_in_a_warning(raw, expected, warns, caplog):
-    from offload_core.tiers.file import io_depth
-    with caplog.at_level("WARNING", logger="offload_core"):
-        assert io_depth(raw) == expected
-    assert any("KV_OFFLOAD_IO_DEPTH" in r.getMessage() for r in caplog.records) is warns

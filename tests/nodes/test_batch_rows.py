@@ -12,7 +12,8 @@ import dataclasses
 import pytest
 import torch
 
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.offload_core import HostServices
 
 from nodes_tiny import FakePatcher, TinyDiT, sample

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, validation_message
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.inputs import config_from_inputs, validation_message
 from kv_offload_pack.offload_core import KVStore
 
 from nodes_tiny import FluxKVCacheReference, FakePatcher, sample

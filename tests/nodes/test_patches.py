@@ -3,10 +3,13 @@
 import pytest
 import torch
 
-from kv_offload_pack.nodes import apply as apply_mod
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
-from kv_offload_pack.nodes.state import RUN_KEY, SPEC_KEY
+from kv_offload_pack.nodes import inputs as inputs_mod
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.inputs import config_from_inputs
+from kv_offload_pack.nodes.state import RUN_KEY
+from kv_offload_pack.nodes.wrappers import SPEC_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher, FluxKVCacheReference, TinyDiT, sample
 from patch_helpers import Recorder, inputs, no_files, run_mode
@@ -169,15 +172,15 @@ def _named(fn, qualname):
 def test_bad_inputs_give_the_engine_message(kwargs, match):
     with pytest.raises(ValueError, match=match):
         config_from_inputs(**kwargs)
-    assert match.strip("`") in apply_mod.validation_message(**kwargs)
+    assert match.strip("`") in inputs_mod.validation_message(**kwargs)
 
 
 def test_options_that_do_not_apply_are_left_out():
     c = config_from_inputs("ram_sync", prefetch_depth=3, bypass_page_cache=False, pin_budget_mb=64)
     assert (c.prefetch_depth, c.bypass_page_cache, c.pin_budget) == (None, None, None)
     c = config_from_inputs("file_async", prefetch_depth=2, bypass_page_cache=False, pin_budget_mb=64)
-    assert (c.prefetch_depth, c.bypass_page_cache, c.pin_budget) == (2, False, 64 << 20)
-    assert apply_mod.validation_message(mode="gpu", prefetch_depth=1, bypass_page_cache=True, pin_budget_mb=0) is True
+    assert (c.prefetch_depth, c.bypass_page_cache, c.pin_budget) == (2, False, 64 * MiB)
+    assert inputs_mod.validation_message(mode="gpu", prefetch_depth=1, bypass_page_cache=True, pin_budget_mb=0) is True
 
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async", "ram_async"])

@@ -5,10 +5,13 @@ import logging
 import pytest
 import torch
 
-from kv_offload_pack.nodes import apply as apply_mod
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs, storage_for_qwen21
+from kv_offload_pack.nodes import inputs as inputs_mod
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.cache_dtype import storage_for_qwen21
+from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher, TinyDiT, sample
 from patch_helpers import Spy, inputs
@@ -55,15 +58,15 @@ def test_compact_storage_stays_close_to_gpu(tmp_path, storage):
 
 def test_node_inputs_map_to_the_config():
     c = config_from_inputs("ram_async", 2, True, 0, vram_budget_mb=512, storage="fp8")
-    assert c.device_budget == 512 << 20 and c.storage == "fp8" and c.pin_budget is None
+    assert c.device_budget == 512 * MiB and c.storage == "fp8" and c.pin_budget is None
     gpu = config_from_inputs("gpu", vram_budget_mb=512, storage="int8")  # the budget means nothing for gpu
     assert gpu.device_budget is None and gpu.storage == "int8"
     off = config_from_inputs("off", vram_budget_mb=512, storage="int8")
     assert off.device_budget is None and off.storage == "exact"
     assert config_from_inputs("auto", vram_budget_mb=0).device_budget is None  # 0: the mode decides
-    msg = apply_mod.validation_message(mode="auto", vram_budget_mb=-1)
+    msg = inputs_mod.validation_message(mode="auto", vram_budget_mb=-1)
     assert "`vram_budget_mb` must be a whole number of MiB >= 0; got -1" in msg
-    assert "`storage` must be one of" in apply_mod.validation_message(mode="auto", storage="int4")
+    assert "`storage` must be one of" in inputs_mod.validation_message(mode="auto", storage="int4")
 
 
 @pytest.mark.parametrize("dtype, ours, expected, words", [

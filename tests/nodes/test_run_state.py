@@ -6,8 +6,7 @@ import torch
 from kv_offload_pack.nodes.patches import RefKVAttention
 from kv_offload_pack.nodes.state import CACHED, EXTRACT, RUN_KEY, RunState
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
-
-GiB = 1 << 30
+from kv_offload_pack.offload_core.places import GiB
 
 
 # --- auto with CFG ------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kv_offload_pack.nodes import telemetry as T
+from kv_offload_pack.nodes.figures import store_order, to_json
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -203,8 +204,54 @@ def test_a_failing_sender_never_breaks_sampling():
     assert h.snapshot()["event"] == "final"
 
 
+def test_a_store_whose_stats_fail_keeps_its_last_figures_and_is_reported_once(hub, caplog):
+    store = make_store("ram_sync")
+    hub.run_started("r1")
+    hub.track("cond", store)
+    hub.clock.advance(1.0)
+    hub.step()
+    held = hub.snapshot()["stores"][0]["bytes"]
+
+    def torn_down():
+        raise RuntimeError("tier closed under the readout")
+
+    store.stats = torn_down
+    with caplog.at_level("WARNING", logger=T.__name__.replace("telemetry", "figures")):
+        for _ in range(3):
+            hub.clock.advance(1.0)
+            hub.step()  # sampling goes on
+    assert hub.snapshot()["stores"][0]["bytes"] == held
+    assert [r.getMessage() for r in caplog.records].count(
+        "KV Offload: the readout could not read KV store 'cond'; it shows its last figures") == 1
+    del store.stats
+    store.close()
+
+
+def test_a_readout_call_that_fails_is_logged_and_never_breaks_the_run(caplog):
+    from kv_offload_pack.nodes.state import RunState
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError(f"readout {name} broke")
+            return fail
+
+    run = RunState(OffloadConfig(mode="ram_sync"), None, n_layers=1, store_factory=KVStore, telemetry=Broken())
+    k = torch.randn(1, 2, 4, 8)
+    with caplog.at_level("DEBUG", logger=T.__name__):
+        run.begin_forward(["c"], ref_tokens=4, batch=1)
+        run.put("c", 0, k, k)  # tells track and progress
+        run.end_forward(ok=True)  # tells forward_done
+    assert run.branches["c"].complete and torch.equal(run.get("c", 0)[0], k)
+    run.close()
+    failed = [r for r in caplog.records if "memory readout's" in r.getMessage()]
+    assert {r.getMessage().split("'s ")[1] for r in failed} >= {"track() failed", "progress() failed",
+                                                                "forward_done() failed"}
+    assert all(r.exc_info for r in failed)
+
+
 def test_payload_is_strict_json():
-    payload = T.to_json({"a": float("nan"), "b": (1, float("inf")), "c": OffloadConfig(mode="gpu").mode})
+    payload = to_json({"a": float("nan"), "b": (1, float("inf")), "c": OffloadConfig(mode="gpu").mode})
     assert payload == {"a": None, "b": [1, None], "c": "gpu"}
 
 
@@ -237,6 +284,17 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
     assert rows["KV cond/batch rows"].startswith("3/6 rows kept \u00b7 6.00 KiB saved"), rows["KV cond/batch rows"]
     assert rows["status/run"].startswith("running")
     store.close()
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
+def test_the_page_names_the_places_the_engine_keys_its_bytes_by():
+    from kv_offload_pack.offload_core.places import PLACES
+
+    script = (f"import {{ KV_PLACES }} from {json.dumps((ROOT / 'web' / 'kv_offload_bars.js').as_uri())};\n"
+              "console.log(JSON.stringify(KV_PLACES.map((p) => p.place)));\n")
+    out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, timeout=60,
+                         check=True)
+    assert tuple(json.loads(out.stdout)) == PLACES
 
 
 def test_payload_never_carries_the_cache_path(hub, tmp_path):
@@ -342,7 +400,7 @@ def test_cond_is_listed_before_uncond(hub):
     lists = [[s["name"] for s in payload["stores"]] for _, payload in hub.sender.messages]
     assert lists[-1] == ["cond", "uncond"]  # uncond was created first: its batch row comes first
     assert all(names in ([], ["uncond"], ["cond", "uncond"]) for names in lists), lists
-    assert sorted(["uncond 2", "x", "cond 2", "uncond", "cond"], key=T.store_order) == \
+    assert sorted(["uncond 2", "x", "cond 2", "uncond", "cond"], key=store_order) == \
         ["cond", "cond 2", "uncond", "uncond 2", "x"]
 
 

@@ -6,10 +6,12 @@ import os
 import pytest
 import torch
 
-from kv_offload_pack.nodes.apply import apply_offload, config_from_inputs
+from kv_offload_pack.nodes.apply import apply_offload
+from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.telemetry import TelemetryHub
 from kv_offload_pack.nodes.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher
 from patch_helpers import Spy
@@ -210,10 +212,10 @@ def test_the_least_recently_used_window_is_the_one_evicted():
 
 
 def test_the_ram_budget_input_reaches_the_ram_modes_only():
-    from kv_offload_pack.nodes.apply import validation_message
+    from kv_offload_pack.nodes.inputs import validation_message
 
-    assert config_from_inputs("ram_async", ram_budget_mb=64).host_budget == 64 << 20
-    assert config_from_inputs("auto", ram_budget_mb=64).host_budget == 64 << 20
+    assert config_from_inputs("ram_async", ram_budget_mb=64).host_budget == 64 * MiB
+    assert config_from_inputs("auto", ram_budget_mb=64).host_budget == 64 * MiB
     assert config_from_inputs("file_sync", ram_budget_mb=64).host_budget is None  # nothing kept in RAM
     assert config_from_inputs("ram_sync", ram_budget_mb=0).host_budget is None  # 0: no cap of its own
     assert "`ram_budget_mb` must be a whole number of MiB >= 0; got -1" in validation_message(mode="auto",

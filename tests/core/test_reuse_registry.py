@@ -1,0 +1,73 @@
+"""The prefix registry's one rejection path, its named key parts, and stores that fail to close."""
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from offload_core.prefix import PrefixKey
+from offload_core.reuse import PrefixRegistry
+from registry_stores import files, filled_store, key
+
+BUDGET = {"device": 1 << 30, "host": 1 << 30, "file": 1 << 30}
+
+
+def test_a_key_names_the_model_it_was_computed_by():
+    header = ("flux2", 1234, (("identity",), b"weights"), "native")
+    k = PrefixKey.build(header, [torch.zeros(2, 3), torch.ones(4, dtype=torch.int8)])
+    assert (k.scope, k.model_id, k.weights) == (("flux2", 1234), 1234, b"weights")
+    assert k.header == header and k.shapes == (((2, 3), "torch.float32"), ((4,), "torch.int8"))
+    assert k.on_host().matches(k) and k.on_host().scope == k.scope
+    # The same header and values under another dtype: the shapes tell them apart.
+    other = PrefixKey.build(header, [torch.zeros(2, 3, dtype=torch.float64), torch.ones(4, dtype=torch.int8)])
+    assert not k.matches(other)
+
+
+def test_every_rejection_is_counted_and_logged_the_same_way(tmp_path, caplog):
+    registry = PrefixRegistry({"host": 10}, name="cond")
+    store, _ = filled_store("ram_sync", tmp_path)
+    with caplog.at_level(logging.INFO, logger="offload_core.reuse"):
+        assert not registry.admit(key(torch.zeros(1)), store)  # over the budget: turned down by the registry
+        registry.note_rejection("its files go with the run")  # turned down by the caller, before offering it
+    stats = registry.stats()
+    assert stats["rejected"] == 2 and stats["last_rejection"] == "its files go with the run"
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.reuse"]
+    assert len(lines) == 2 and all(line.startswith("KV offload reuse [cond]: not kept (") for line in lines)
+    assert "budget" in lines[0] and store.closed
+
+
+@pytest.mark.parametrize("how", ["close", "garbage collected"])
+def test_a_kept_store_that_fails_to_close_is_logged_and_the_others_still_close(how, tmp_path, caplog):
+    registry = PrefixRegistry(BUDGET)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    broken, _ = filled_store("file_sync", tmp_path / "a")
+    kept, _ = filled_store("file_sync", tmp_path / "b")
+    assert registry.admit(key(torch.zeros(1)), broken) and registry.admit(key(torch.ones(1)), kept)
+    real_close = broken.close
+
+    def close():
+        raise OSError(5, "Input/output error")  # e.g. its directory on a disk that went away
+    broken.close = close
+    with caplog.at_level(logging.WARNING, logger="offload_core.reuse"):
+        if how == "close":
+            registry.close()
+        else:
+            del registry
+            gc.collect()
+    assert "closing a kept store failed" in caplog.text and "Input/output error" in caplog.text
+    assert kept.closed and files(tmp_path / "b") == []
+    real_close()
+    assert files(tmp_path) == []
+
+
+def test_a_bug_in_closing_a_kept_store_is_not_hidden(tmp_path):
+    registry = PrefixRegistry(BUDGET)
+    store, _ = filled_store("ram_sync", tmp_path)
+    assert registry.admit(key(torch.zeros(1)), store)
+    real_close = store.close
+    store.close = lambda: None.missing  # an AttributeError: a bug, not an I/O failure
+    with pytest.raises(AttributeError):
+        registry.clear()
+    real_close()
