@@ -6,7 +6,8 @@ the length aligned to the block size; our buffers are anonymous mmaps (page-alig
 of 4 KiB and chunks are multiples of 1 MiB, so one probe per directory decides whether it works there (overlayfs
 and NFS may refuse it). Where it does not, reads and writes are buffered and followed by
 `posix_fadvise(DONTNEED)` — after `fdatasync` for writes, since the kernel does not drop dirty pages. macOS sets
-`F_NOCACHE` on every descriptor; Windows reads and writes buffered (`page_cache`: 'buffered').
+`F_NOCACHE` on every descriptor; Windows opens with `FILE_FLAG_NO_BUFFERING` (the same alignment, probed the same
+way), else reads and writes buffered (`page_cache`: 'buffered').
 
 Every chunk of a layer's data has an xxh3-64 digest, computed by the I/O thread that writes or reads it (off
 the consumer's path) and kept both in the file's header and in the store's memory; a read whose data, header
@@ -94,31 +95,33 @@ def ram_backed(directory: str) -> Optional[str]:
 
 
 def probe_page_cache_mode(directory: str, bypass: bool) -> str:
-    """How the page cache is kept out in `directory`: 'o_direct' where O_DIRECT reads and writes work there,
-    'fadvise' (Linux otherwise), 'f_nocache' (macOS), 'buffered' (Windows: not kept out); 'off' without bypass."""
+    """How the page cache is kept out in `directory`: 'o_direct' (Linux) or 'no_buffering' (Windows) where such
+    reads and writes work there, else 'fadvise' (Linux) or 'buffered' (Windows: not kept out, and said so);
+    'f_nocache' (macOS); 'off' without bypass."""
     if not bypass:
         return "off"
     fs = fileos.current()
     modes = fs.cache_modes()
-    if modes[0] != "o_direct":
-        return modes[0]
+    direct = modes[0]
+    if direct not in fileos.DIRECT_MODES:
+        return direct
     path = os.path.join(directory, f".probe-{uuid.uuid4().hex}")
     buf = HostBuffer(4096)
     try:
-        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode="o_direct")
+        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode=direct)
         try:
             f.pwrite(buf.memory()[:4096], 0)
         finally:
             f.close()
-        f = fs.open(path, os.O_RDONLY, cache_mode="o_direct")
+        f = fs.open(path, os.O_RDONLY, cache_mode=direct)
         try:
             f.preadv([buf.memory()[:4096]], 0)
         finally:
             f.close()
-        return "o_direct"
+        return direct
     except OSError as exc:
-        log.info("O_DIRECT refused in %s (%s); using posix_fadvise to keep the page cache out", directory, exc)
-        return "fadvise"
+        log.info("%s refused in %s (%s); using %s", direct, directory, exc, modes[1])
+        return modes[1]
     finally:
         buf.release()
         try:

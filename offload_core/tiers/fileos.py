@@ -3,7 +3,7 @@
 | need                   | Linux                         | macOS                       | Windows                             |
 |------------------------|-------------------------------|-----------------------------|-------------------------------------|
 | positional I/O         | `pwrite`, `preadv`            | `pwrite`, `preadv` (else `pread` + a copy) | a descriptor per I/O thread: `lseek` + `write` / `readinto` |
-| page-cache bypass      | `O_DIRECT` (probed), else `posix_fadvise` | `F_NOCACHE` on every descriptor | none: buffered, and `page_cache` says so |
+| page-cache bypass      | `O_DIRECT` (probed), else `posix_fadvise` | `F_NOCACHE` on every descriptor | `FILE_FLAG_NO_BUFFERING` (`CreateFileW`, probed), else buffered and `page_cache` says so |
 | flush                  | `fdatasync`                   | `fsync`                     | `fsync`                             |
 | reserve a file's space | `posix_fallocate`             | `F_PREALLOCATE`             | `ftruncate` (NTFS allocates what it extends) |
 | binary bytes           | always                        | always                      | `O_BINARY` on every open            |
@@ -11,7 +11,7 @@
 | owner lock             | `flock`                       | `flock`                     | `msvcrt.locking` on the lock file's first byte |
 
 Stdlib only (the ComfyUI pack loads `fileowner` without torch). `CURRENT` is the choice for this process; the
-tests swap it for one built from a stand-in of another system's `os` / `fcntl` / `msvcrt`
+tests swap it for one built from a stand-in of another system's `os` / `fcntl` / `msvcrt` / Win32 `CreateFileW`
 (`tests/core/simplatform.py`), so every branch here runs on Linux. Functions are looked up on `self.os` at
 call time, so a test that patches `os.pwrite` reaches them.
 """
@@ -37,6 +37,12 @@ except ImportError:
     _msvcrt = None
 
 F_NOCACHE, F_PREALLOCATE = 48, 42  # macOS fcntl commands (sys/fcntl.h), which CPython's fcntl may not name
+DIRECT_MODES = ("o_direct", "no_buffering")  # the page cache bypassed: every request page-aligned, as the tiers make them
+# Win32 (fileapi.h): what `CreateFileW` takes for an unbuffered layer file.
+GENERIC_READ, GENERIC_WRITE = 0x80000000, 0x40000000
+FILE_SHARE_READ, FILE_SHARE_WRITE = 0x1, 0x2  # what the CRT's os.open shares: delete and rename stay refused
+CREATE_NEW, CREATE_ALWAYS, OPEN_EXISTING, OPEN_ALWAYS, TRUNCATE_EXISTING = 1, 2, 3, 4, 5
+FILE_FLAG_NO_BUFFERING = 0x20000000
 _F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
 _SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
 BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
@@ -45,8 +51,8 @@ BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus 
 class FileOS:
     """The file-tier operations of one system. `name`: 'linux', 'macos', 'windows' or 'posix' (other Unix)."""
 
-    def __init__(self, os_module, platform: str, fcntl_module=None, msvcrt_module=None):
-        self.os, self.fcntl, self.msvcrt = os_module, fcntl_module, msvcrt_module
+    def __init__(self, os_module, platform: str, fcntl_module=None, msvcrt_module=None, win32=None):
+        self.os, self.fcntl, self.msvcrt, self.win32 = os_module, fcntl_module, msvcrt_module, win32
         o = os_module
         self.name = ("windows" if platform == "win32" else "macos" if platform == "darwin"
                      else "linux" if platform.startswith("linux") else "posix")
@@ -72,17 +78,33 @@ class FileOS:
             return ["o_direct", "fadvise"] if self.o_direct else ["fadvise"]
         if self.name == "macos" and self.fcntl is not None:
             return ["f_nocache"]
-        return ["buffered"]  # Windows: FILE_FLAG_NO_BUFFERING needs the Win32 API; not used (README: Platforms)
+        if self.name == "windows" and self.win32 is not None and self.msvcrt is not None:
+            return ["no_buffering", "buffered"]
+        return ["buffered"]
 
     def open(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> "Handle":
-        fd = self.os.open(path, flags | self.open_flags | (self.o_direct if cache_mode == "o_direct" else 0), mode)
+        fd = self.open_fd(path, flags, mode, cache_mode)
         try:
             if cache_mode == "f_nocache":
                 self.fcntl.fcntl(fd, F_NOCACHE, 1)
         except BaseException:
             self.os.close(fd)
             raise
-        return Handle(self, fd, path, flags)
+        return Handle(self, fd, path, flags, cache_mode)
+
+    def open_fd(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> int:
+        """A descriptor of `path`; with `no_buffering` (Windows) through `CreateFileW`, since the CRT's open
+        cannot ask for FILE_FLAG_NO_BUFFERING, then handed to the CRT as a descriptor."""
+        if cache_mode != "no_buffering":
+            return self.os.open(path, flags | self.open_flags | (self.o_direct if cache_mode == "o_direct" else 0), mode)
+        o = self.os
+        access = {o.O_RDONLY: GENERIC_READ, o.O_WRONLY: GENERIC_WRITE}.get(flags & 3, GENERIC_READ | GENERIC_WRITE)
+        create, excl, trunc = flags & o.O_CREAT, flags & o.O_EXCL, flags & getattr(o, "O_TRUNC", 0)
+        disposition = (CREATE_NEW if create and excl else CREATE_ALWAYS if create and trunc else OPEN_ALWAYS
+                       if create else TRUNCATE_EXISTING if trunc else OPEN_EXISTING)
+        handle = self.win32.create_file(path, access, FILE_SHARE_READ | FILE_SHARE_WRITE, disposition,
+                                        FILE_FLAG_NO_BUFFERING)
+        return self.msvcrt.open_osfhandle(handle, (flags & 3) | self.open_flags)  # O_BINARY: no newline translation
 
     def sync(self, fd: int) -> None:
         """Data on disk, so its pages can be dropped: `fdatasync` where it exists, else `fsync`."""
@@ -171,8 +193,8 @@ class Handle:
     it only once no request uses the handle any more.
     """
 
-    def __init__(self, fs: FileOS, fd: int, path: str, flags: int):
-        self.fs, self.fd, self.path = fs, fd, path
+    def __init__(self, fs: FileOS, fd: int, path: str, flags: int, cache_mode: str = "off"):
+        self.fs, self.fd, self.path, self._cache_mode = fs, fd, path, cache_mode
         self._flags = flags & ~(os.O_CREAT | os.O_EXCL | getattr(os, "O_TRUNC", 0))
         self._own = {}  # thread id -> descriptor (per-thread systems only)
         self._lock = threading.Lock()
@@ -184,7 +206,7 @@ class Handle:
         fd = self._own.get(me)
         if fd is None:
             with self._lock:
-                fd = self._own[me] = self.fs.os.open(self.path, self._flags | self.fs.open_flags)
+                fd = self._own[me] = self.fs.open_fd(self.path, self._flags, cache_mode=self._cache_mode)
         return fd
 
     def pwrite(self, view: memoryview, offset: int) -> int:
@@ -232,7 +254,28 @@ def _readinto(o, fd: int, view: memoryview) -> int:
         return f.readinto(view) or 0
 
 
-CURRENT = FileOS(os, sys.platform, _fcntl, _msvcrt)
+class Win32:
+    """`CreateFileW` through ctypes (Windows only): a handle, or OSError with the system's error."""
+
+    def __init__(self):
+        import ctypes
+        from ctypes import wintypes
+
+        self._ctypes = ctypes
+        k32 = ctypes.WinDLL("kernel32", use_last_error=True)
+        self._create = k32.CreateFileW
+        self._create.argtypes = [wintypes.LPCWSTR, wintypes.DWORD, wintypes.DWORD, ctypes.c_void_p, wintypes.DWORD,
+                                 wintypes.DWORD, wintypes.HANDLE]
+        self._create.restype = wintypes.HANDLE
+
+    def create_file(self, path: str, access: int, share: int, disposition: int, flags: int) -> int:
+        handle = self._create(os.path.abspath(path), access, share, None, disposition, flags, None)
+        if handle is None or handle == self._ctypes.c_void_p(-1).value:  # INVALID_HANDLE_VALUE
+            raise self._ctypes.WinError(self._ctypes.get_last_error())
+        return handle
+
+
+CURRENT = FileOS(os, sys.platform, _fcntl, _msvcrt, Win32() if sys.platform == "win32" else None)
 
 
 def current() -> FileOS:

@@ -14,7 +14,9 @@ run each system's branch on this machine's real files. What it models, as CPytho
   `winerror` 32 (recorded in `refusals`); `scanner(name, times)` makes an antivirus scanner hold files whose
   name contains `name` for the next `times` deletes or renames. `ftruncate` allocates what it extends (NTFS).
   `msvcrt.locking` locks through `flock` on the descriptor: per handle and dropped when the process dies, as
-  on Windows.
+  on Windows. `CreateFileW` with FILE_FLAG_NO_BUFFERING (`SimWin32`) opens a real `O_DIRECT` descriptor, so the
+  kernel refuses an unaligned offset, length or buffer (EINVAL) as NTFS does; `refuse_unbuffered` makes it a
+  volume that does not allow unbuffered I/O. `msvcrt.open_osfhandle` hands the handle back as the descriptor.
 
 Everything else goes to the real `os` at call time (so tests that patch `os.pwrite` still reach it).
 """
@@ -56,6 +58,7 @@ class SimOS:
         self.path = os.path
         self.refusals: List[str] = []
         self.text_writes = 0  # writes through a text-mode descriptor (Windows without O_BINARY)
+        self.opens: List[tuple] = []  # (file name, unbuffered) of every open (Windows)
         self._open: Dict[int, str] = {}  # fd -> real path (Windows: what may not be deleted or renamed)
         self._text: Set[int] = set()
         self._scanner: Dict[str, int] = {}
@@ -78,6 +81,7 @@ class SimOS:
         binary = flags & self.O_BINARY
         fd = os.open(path, flags & ~(self.O_BINARY | self.O_NOINHERIT), mode)
         with self._lock:
+            self.opens.append((os.path.basename(path), bool(flags & os.O_DIRECT)))
             self._open[fd] = os.path.realpath(path)
             if not binary:
                 self._text.add(fd)
@@ -162,10 +166,40 @@ class SimFcntl:
         return real_fcntl.fcntl(fd, cmd, arg)
 
 
+class SimWin32:
+    """Win32 `CreateFileW` as the file tiers call it (FILE_FLAG_NO_BUFFERING), on a real `O_DIRECT` descriptor."""
+
+    def __init__(self, sim_os: SimOS):
+        self._os, self.refuse_unbuffered, self.opened = sim_os, False, 0
+
+    def create_file(self, path, access, share, disposition, flags):
+        assert flags == fileos.FILE_FLAG_NO_BUFFERING and share == fileos.FILE_SHARE_READ | fileos.FILE_SHARE_WRITE
+        if self.refuse_unbuffered:
+            exc = OSError(errno.EINVAL, "The parameter is incorrect", path)
+            exc.winerror = 87  # ERROR_INVALID_PARAMETER
+            raise exc
+        rw = {fileos.GENERIC_READ: os.O_RDONLY, fileos.GENERIC_WRITE: os.O_WRONLY}.get(access, os.O_RDWR)
+        how = {fileos.CREATE_NEW: os.O_CREAT | os.O_EXCL, fileos.CREATE_ALWAYS: os.O_CREAT | os.O_TRUNC,
+               fileos.OPEN_ALWAYS: os.O_CREAT, fileos.TRUNCATE_EXISTING: os.O_TRUNC, fileos.OPEN_EXISTING: 0}
+        fd = self._os.open(path, rw | how[disposition] | os.O_DIRECT | self._os.O_BINARY, 0o600)
+        self.opened += 1
+        return fd  # the handle: `open_osfhandle` hands it back as the descriptor
+
+
 class SimMsvcrt:
-    """Windows `msvcrt.locking`: an exclusive lock per handle, dropped when the process dies."""
+    """Windows `msvcrt.locking`: an exclusive lock per handle, dropped when the process dies; `open_osfhandle`:
+    the handle as a descriptor, in text mode unless `O_BINARY` is given."""
 
     LK_UNLCK, LK_LOCK, LK_NBLCK, LK_RLCK, LK_NBRLCK = 0, 1, 2, 3, 4
+
+    def __init__(self, sim_os: SimOS = None):
+        self._os = sim_os
+
+    def open_osfhandle(self, handle, flags):
+        if not flags & self._os.O_BINARY:
+            with self._os._lock:
+                self._os._text.add(handle)
+        return handle
 
     def locking(self, fd, mode, nbytes):
         assert nbytes == 1 and os.lseek(fd, 0, os.SEEK_CUR) == 0, "the lock is on the first byte"
@@ -184,8 +218,9 @@ def make(system: str, without=()) -> fileos.FileOS:
     if system == "linux":
         return fileos.CURRENT
     sim = SimOS(system, without)
-    return fileos.FileOS(sim, PLATFORM[system], SimFcntl() if system == "macos" else None,
-                         SimMsvcrt() if system == "windows" else None)
+    windows = system == "windows"
+    return fileos.FileOS(sim, PLATFORM[system], None if windows else SimFcntl(), SimMsvcrt(sim) if windows else None,
+                         SimWin32(sim) if windows else None)
 
 
 def install(monkeypatch, system: str, without=()) -> fileos.FileOS:

@@ -12,7 +12,7 @@ from filestores import MODES, file_store, layers
 from offload_core import KVFileError, KVWriteError, OffloadConfig
 from offload_core.tiers import fileio, fileos
 
-PAGE_CACHE = {"linux": ("o_direct", "fadvise"), "macos": ("f_nocache",), "windows": ("buffered",)}
+PAGE_CACHE = {"linux": ("o_direct", "fadvise"), "macos": ("f_nocache",), "windows": ("no_buffering",)}
 
 
 def round_trip(mode, directory, n=3, **fields):
@@ -62,6 +62,8 @@ def test_windows_reads_a_layer_on_several_descriptors_at_once(tmp_path, monkeypa
     real = fileos.Handle.preadv
 
     def preadv(handle, views, offset):  # two requests of one file in flight at the same moment
+        if ".probe-" in handle.path:  # the page-cache probe's one read, before any layer
+            return real(handle, views, offset)
         key = (threading.get_ident(), handle._fd())
         with lock:
             first = key not in threads and len(threads) < 2
@@ -79,19 +81,59 @@ def test_windows_reads_a_layer_on_several_descriptors_at_once(tmp_path, monkeypa
     assert list(tmp_path.iterdir()) == []
 
 
-def test_windows_without_o_binary_would_corrupt_the_files(tmp_path, monkeypatch):
+@pytest.mark.parametrize("unbuffered", [True, False])
+def test_windows_without_o_binary_would_corrupt_the_files(tmp_path, monkeypatch, unbuffered):
     # The guard the Windows branch keeps: drop O_BINARY from its opens and the stand-in's text mode turns each
-    # newline byte into two; the read-back must then fail its checksum, never return other K/V.
+    # newline byte into two; the store must then fail (buffered: the read-back's checksum; unbuffered: the
+    # longer write is no longer aligned), never return other K/V.
     fs = simplatform.install(monkeypatch, "windows")
+    fs.win32.refuse_unbuffered = not unbuffered
     monkeypatch.setattr(fs, "open_flags", fs.open_flags & ~fs.os.O_BINARY)
     newlines = torch.full((64, 64), 0x0A0A0A0A, dtype=torch.int32).view(torch.float32)  # every byte is b"\n"
     data = {0: (newlines, torch.zeros(64, 64))}
-    store = file_store("file_sync", tmp_path, data, put=[0])
-    with pytest.raises(KVFileError):
-        store.get(0)
+    with pytest.raises((KVFileError, KVWriteError)):
+        store = file_store("file_sync", tmp_path, data, put=[0])
+        try:
+            store.get(0)
+        finally:
+            store.close()
     assert fs.os.text_writes > 0
-    store.close()
     fs.os.text_writes = 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_windows_bypasses_the_page_cache_with_no_buffering_where_the_volume_allows_it(mode, tmp_path, monkeypatch):
+    fs = simplatform.install(monkeypatch, "windows")
+    store = round_trip(mode, tmp_path)
+    assert store.stats()["page_cache"] == "no_buffering"
+    layer_opens = [unbuffered for name, unbuffered in fs.os.opens if name.startswith("layer-")]
+    assert len(layer_opens) >= 6 and all(layer_opens)  # every descriptor of every thread, writes and reads
+    store.close()
+    fs.win32.refuse_unbuffered = True  # a volume that refuses it: buffered, and the stats say so
+    store = round_trip(mode, tmp_path)
+    assert store.stats()["page_cache"] == "buffered"
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unbuffered_windows_handle_refuses_an_unaligned_request(tmp_path, monkeypatch):
+    # What NTFS refuses with FILE_FLAG_NO_BUFFERING, and the tiers never ask: an offset or length off a sector.
+    import errno
+
+    from offload_core.hostmem import HostBuffer
+
+    fs = simplatform.install(monkeypatch, "windows")
+    f = fs.open(str(tmp_path / "x"), fileos.os.O_WRONLY | fileos.os.O_CREAT | fileos.os.O_EXCL,
+                cache_mode="no_buffering")
+    buf = HostBuffer(8192)
+    try:
+        assert f.pwrite(buf.memory()[:4096], 0) == 4096
+        with pytest.raises(OSError) as refused:
+            f.pwrite(buf.memory()[:100], 4096)
+        assert refused.value.errno == errno.EINVAL
+    finally:
+        f.close()
+        buf.release()
 
 
 @pytest.mark.parametrize("mode", MODES)
