@@ -164,6 +164,7 @@ class HostAllocator:
         if shared is HostAllocator._PROCESS:
             shared = process_pin_budget() if pin and pin_fn is None else None
         self.shared: Optional[PinBudget] = shared
+        self._budgets = [b for b in (None if budget is None else PinBudget(budget), shared) if b is not None]
         self._lock = threading.Lock()
         self.pinned_bytes = 0
         self.pageable_bytes = 0
@@ -187,19 +188,23 @@ class HostAllocator:
         return buf
 
     def _reserve(self, nbytes: int) -> bool:
+        """Takes `nbytes` from the store's own budget and the process-wide one, or from neither."""
+        taken = []
+        for budget in self._budgets:
+            if not budget.reserve(nbytes):
+                for earlier in taken:
+                    earlier.release(nbytes)
+                return False
+            taken.append(budget)
         with self._lock:
-            if self.budget is not None and self.pinned_bytes + nbytes > self.budget:
-                return False
-            if self.shared is not None and not self.shared.reserve(nbytes):
-                return False
             self.pinned_bytes += nbytes
-            return True
+        return True
 
     def _unreserve(self, nbytes: int) -> None:
         with self._lock:
             self.pinned_bytes -= nbytes
-            if self.shared is not None:
-                self.shared.release(nbytes)
+        for budget in self._budgets:
+            budget.release(nbytes)
 
     def _try_pin(self, buf: HostBuffer) -> bool:
         try:
