@@ -1,7 +1,7 @@
 """The ordering guards' mutation table: each fence removed in turn, and the test named after it must fail.
 
 A guard that no test notices when removed is untested. For every row below, this copies the checkout's
-`offload_core/`, `tests/` and `pyproject.toml` into a scratch folder, replaces the guard's line(s) with a no-op, runs the row's tests on
+files (those git tracks or would) into a scratch folder, replaces the guard's line(s) with a no-op, runs the row's tests on
 `SimCuda` against the copy, and reports whether they failed (they must) or passed (the table is broken). A row
 whose code is not found fails too: the table must follow the code.
 
@@ -81,14 +81,17 @@ def _found(row) -> bool:
         return f.read().count(row[2]) == 1
 
 
-def run_row(row, python: str) -> str:
+def run_row(row, python: str, mutated: bool = True) -> str:
+    """'caught' when the row's tests fail on the mutant (unmutated: 'passes' when they pass on the copy)."""
     guard, path, old, new, tests = row
     with tempfile.TemporaryDirectory(prefix="kv-offload-mutant-") as tree:
-        for part in ("offload_core", "tests"):
-            shutil.copytree(os.path.join(ROOT, part), os.path.join(tree, part),
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        shutil.copy(os.path.join(ROOT, "pyproject.toml"), tree)
-        if not mutate(tree, path, old, new):
+        files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.split("\n")
+        for name in filter(None, files):
+            if os.path.isfile(os.path.join(ROOT, name)):
+                os.makedirs(os.path.dirname(os.path.join(tree, name)), exist_ok=True)
+                shutil.copy(os.path.join(ROOT, name), os.path.join(tree, name))
+        if mutated and not mutate(tree, path, old, new):
             return "GUARD NOT FOUND (the table no longer follows the code)"
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
         cmd = [python, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
@@ -97,6 +100,8 @@ def run_row(row, python: str) -> str:
                                capture_output=True, text=True, cwd=tree)  # the copy, first on sys.path
         if not check.stdout.startswith(tree):
             return "NOT RUN (the mutant was not the offload_core imported)"
+        if not mutated:
+            return "passes" if done.returncode == 0 else f"FAILS UNMUTATED (pytest exit {done.returncode})"
         return "caught" if done.returncode == 1 else f"NOT CAUGHT (pytest exit {done.returncode})"
 
 
@@ -106,6 +111,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     width = max(len(r[0]) for r in ROWS)
     results = []
+    if not args.list:  # the control: every row's tests pass on the copy as it is
+        control = ("(control: nothing removed)", "", "", "",
+                   " ".join(dict.fromkeys(r[4] for r in ROWS)))
+        results.append("caught" if run_row(control, sys.executable, mutated=False) == "passes" else "control failed")
+        print(f"{control[0]:<{width}}  {'':<20}  {'passes' if results[0] == 'caught' else results[0]}", flush=True)
     for row in ROWS:
         result = (("found" if _found(row) else "GUARD NOT FOUND") if args.list else run_row(row, sys.executable))
         results.append(result)
