@@ -1,6 +1,6 @@
 """The telemetry hub: pushes only during a run, throttled, one final snapshot, honest store figures.
 
-Runs without ComfyUI: the sender and the clock are injected (`RecordingSender`, `FakeClock`); the stores are
+Runs without ComfyUI: the sender and the clock are injected (`telemetry_helpers`); the stores are
 real engine `KVStore`s on the CPU.
 """
 
@@ -14,56 +14,12 @@ import pytest
 import torch
 
 from kv_offload_pack.nodes import telemetry as T
-from kv_offload_pack.nodes.figures import store_order, to_json
+from kv_offload_pack.nodes.figures import to_json
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
+from telemetry_helpers import FakeClock, hub, make_store  # noqa: F401 (hub: a fixture)
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-class FakeClock:
-    """Monotonic seconds that only move when the test says so."""
-
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, seconds):
-        self.now += seconds
-
-
-class RecordingSender:
-    """Stands in for PromptServer.send_sync: records (event, payload) and checks the payload is strict JSON."""
-
-    def __init__(self):
-        self.messages = []
-
-    def __call__(self, event, data):
-        json.dumps(data, allow_nan=False)  # what the page's JSON.parse would reject must never be sent
-        self.messages.append((event, data))
-
-    @property
-    def events(self):
-        return [data["event"] for _, data in self.messages]
-
-
-@pytest.fixture
-def hub():
-    clock, sender = FakeClock(), RecordingSender()
-    h = T.TelemetryHub(send=sender, clock=clock)
-    h.clock, h.sender = clock, sender
-    return h
-
-
-def make_store(mode="ram_sync", name="cond", layers=3, batch=1):
-    """`batch` > 1: every layer has that many identical rows (a batch of one prompt)."""
-    store = KVStore(OffloadConfig(mode=mode), "cpu", name=name)
-    g = torch.Generator().manual_seed(0)
-    for i in range(layers):
-        k = torch.randn(1, 2, 16, 8, generator=g).expand(batch, -1, -1, -1)
-        store.put(i, k, k * 2)
-    return store
 
 
 def test_nothing_is_sent_while_idle(hub):
@@ -316,101 +272,3 @@ def test_payload_never_carries_the_cache_path(hub, tmp_path):
     for payload in payloads:
         assert str(tmp_path) not in json.dumps(payload)
         assert all("file_dir" not in s for s in payload["stores"])
-
-
-# --- fresh figures: pushes inside and after each forward ---------------------------------------------------------
-
-def _drive_run(hub, forwards, layers=2, tick=0.0, cfg=False):
-    """A real `RunState` on real stores, forward by forward, the way the patches drive it; returns the stores'
-    own stats as they were when the run closed them."""
-    from kv_offload_pack.nodes.state import RunState
-
-    run = RunState(OffloadConfig(mode="ram_sync"), None, n_layers=layers, store_factory=KVStore, telemetry=hub)
-    uuids = ["u", "c"] if cfg else ["c"]  # uncond first in the batch, as ComfyUI may batch them
-    k = torch.randn(len(uuids), 2, 4, 8)
-    hub.run_started(run.run_id)
-    for _ in range(forwards):
-        hub.clock.advance(tick)
-        run.step()
-        fwd = run.begin_forward(uuids, ref_tokens=4, batch=len(uuids))
-        for layer in range(layers):
-            hub.clock.advance(tick)
-            for i, u in enumerate(uuids):
-                if fwd.phase == "extract":
-                    run.put(u, layer, k[i:i + 1], k[i:i + 1], label="uncond" if u == "u" else "cond")
-                else:
-                    run.get(u, layer)
-        hub.clock.advance(tick)
-        run.end_forward(ok=True)
-    closed = {b.name: b.store for b in run.branches.values()}
-    run.close()
-    stats = {name: store.stats() for name, store in closed.items()}
-    del closed
-    gc.collect()
-    hub.run_finished(run.run_id)
-    return stats
-
-
-def test_the_final_snapshot_counts_every_transfer_even_when_every_push_was_throttled(hub):
-    engine = _drive_run(hub, forwards=6, tick=0.0)  # the clock never moves: only the start push goes out
-    assert hub.sender.events == ["start", "final"]
-    [store] = hub.snapshot()["stores"]
-    assert store["transfers"]["count"] == engine["cond"]["transfers"]["count"] >= 5 * 2  # 5 cached forwards
-
-
-def test_the_capture_step_shows_its_stores_while_it_runs_and_right_after(hub):
-    _drive_run(hub, forwards=3, layers=3, tick=0.3)  # every call is outside the rate limit
-    payloads = [data for _, data in hub.sender.messages]
-    first_forward = [p for p in payloads if p["run"]["forwards"] == 1 and p["event"] == "step"]
-    # before the forward (no store yet), after each captured layer (growing), after the forward (complete)
-    held = [p["stores"][0]["bytes"]["host_pageable"] if p["stores"] else 0 for p in first_forward]
-    assert held[0] == 0 and held[1:4] == sorted(set(held[1:4])) and held[4] == held[3] > 0, held
-    gaps = [b["run"]["elapsed_s"] - a["run"]["elapsed_s"] for a, b in zip(payloads, payloads[1:-1])]
-    assert all(g >= T.MIN_PUSH_INTERVAL_S - 1e-9 for g in gaps), gaps
-
-
-def test_progress_inside_a_throttled_forward_asks_no_store_for_figures(hub):
-    calls = []
-
-    class Counting:
-        def stats(self):
-            calls.append(1)
-            return {"name": "cond", "bytes": {}, "layers": 1}
-
-    store = Counting()
-    hub.run_started("r1")
-    hub.track("cond", store)
-    for _ in range(100):
-        hub.progress()
-    assert calls == [] and hub.sender.events == ["start"]
-
-
-def test_marks_show_the_capture_and_the_release(hub):
-    _drive_run(hub, forwards=4, tick=0.1)
-    final = hub.snapshot()
-    capture, release = final["run"]["marks"]
-    assert capture["what"] == "capture" and release["what"] == "release"
-    # the capture spans the first forward: from its first store to its end, before any cached forward
-    assert 0 < capture["start_s"] < capture["end_s"] <= 4 * 0.1 + 1e-9
-    assert release["start_s"] == pytest.approx(final["run"]["elapsed_s"])
-
-
-def test_cond_is_listed_before_uncond(hub):
-    _drive_run(hub, forwards=2, cfg=True, tick=0.3)
-    lists = [[s["name"] for s in payload["stores"]] for _, payload in hub.sender.messages]
-    assert lists[-1] == ["cond", "uncond"]  # uncond was created first: its batch row comes first
-    assert all(names in ([], ["uncond"], ["cond", "uncond"]) for names in lists), lists
-    assert sorted(["uncond 2", "x", "cond 2", "uncond", "cond"], key=store_order) == \
-        ["cond", "cond 2", "uncond", "uncond 2", "x"]
-
-
-def test_a_node_view_tags_its_runs_with_the_node_id(hub):
-    view = hub.for_node(17)
-    view.run_started("r1")
-    view.step()
-    view.run_finished("r1")
-    assert [data["run"]["node"] for _, data in hub.sender.messages] == ["17", "17"]
-    hub.run_started("r2")  # a run without a node (e.g. another pack's call) says so
-    assert hub.sender.messages[-1][1]["run"]["node"] is None
-    import copy
-    assert copy.copy(view).hub is hub  # the patched MODEL holds the view; copying it must not recurse
