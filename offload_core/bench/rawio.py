@@ -46,7 +46,8 @@ class Pattern:
 
 def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP) -> List[Pattern]:
     """Every request size x in-flight count, with and without `fallocate`, whose ring fits in `ring_cap`."""
-    return [Pattern(r, n, f) for r in requests for n in inflights for f in (True, False) if max(4, n) * r <= ring_cap]
+    tried = [Pattern(r, n, f) for r in requests for n in inflights for f in (True, False)]
+    return [p for p in tried if p.ring * p.request <= ring_cap]
 
 
 def _ring(pattern: Pattern) -> List[mmap.mmap]:

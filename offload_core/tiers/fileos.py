@@ -104,7 +104,11 @@ class FileOS:
                        if create else TRUNCATE_EXISTING if trunc else OPEN_EXISTING)
         handle = self.win32.create_file(path, access, FILE_SHARE_READ | FILE_SHARE_WRITE, disposition,
                                         FILE_FLAG_NO_BUFFERING)
-        return self.msvcrt.open_osfhandle(handle, (flags & 3) | self.open_flags)  # O_BINARY: no newline translation
+        try:
+            return self.msvcrt.open_osfhandle(handle, (flags & 3) | self.open_flags)  # O_BINARY: no newline translation
+        except BaseException:
+            self.win32.close_handle(handle)  # not the CRT's yet: ours to close
+            raise
 
     def sync(self, fd: int) -> None:
         """Data on disk, so its pages can be dropped: `fdatasync` where it exists, else `fsync`."""
@@ -255,7 +259,7 @@ def _readinto(o, fd: int, view: memoryview) -> int:
 
 
 class Win32:
-    """`CreateFileW` through ctypes (Windows only): a handle, or OSError with the system's error."""
+    """`CreateFileW` / `CloseHandle` through ctypes (Windows only): a handle, or OSError with the system's error."""
 
     def __init__(self):
         import ctypes
@@ -267,12 +271,17 @@ class Win32:
         self._create.argtypes = [wintypes.LPCWSTR, wintypes.DWORD, wintypes.DWORD, ctypes.c_void_p, wintypes.DWORD,
                                  wintypes.DWORD, wintypes.HANDLE]
         self._create.restype = wintypes.HANDLE
+        self._close = k32.CloseHandle
+        self._close.argtypes = [wintypes.HANDLE]
 
     def create_file(self, path: str, access: int, share: int, disposition: int, flags: int) -> int:
         handle = self._create(os.path.abspath(path), access, share, None, disposition, flags, None)
         if handle is None or handle == self._ctypes.c_void_p(-1).value:  # INVALID_HANDLE_VALUE
             raise self._ctypes.WinError(self._ctypes.get_last_error())
         return handle
+
+    def close_handle(self, handle: int) -> None:
+        self._close(handle)
 
 
 CURRENT = FileOS(os, sys.platform, _fcntl, _msvcrt, Win32() if sys.platform == "win32" else None)

@@ -21,18 +21,23 @@ def reserve(path: str, length: int, cache_mode: str) -> Handle:
     """Creates `path` (a temp name) with `length` bytes allocated; returns it, opened for writing.
 
     Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
-    instead of in a background write later. (`O_DIRECT` is set after the allocation: its writes bypass the
-    page cache, the allocation is metadata.)
+    instead of in a background write later. The allocation goes through a buffered descriptor: `O_DIRECT` is
+    set after it, and a Windows file is opened unbuffered only once allocated (the CRT extends a file by
+    writing zeros from a buffer of its own, which an unbuffered handle refuses).
     """
     fs = fileos.current()
     try:
-        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, cache_mode="off" if cache_mode == "o_direct" else cache_mode)
+        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                    cache_mode="off" if cache_mode in fileos.DIRECT_MODES else cache_mode)
     except OSError as exc:
         raise write_error(path, length, exc) from None
     try:
         fs.reserve(f.fd, length)
         if cache_mode == "o_direct":
             fs.fcntl.fcntl(f.fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(f.fd, fs.fcntl.F_GETFL) | fs.o_direct)
+        elif cache_mode == "no_buffering":
+            f, buffered = fs.open(path, os.O_WRONLY, cache_mode="no_buffering"), f
+            buffered.close()
     except BaseException as exc:  # an interrupt too: no descriptor or temp file may outlive a failed reserve
         f.close()
         discard(path)

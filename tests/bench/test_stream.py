@@ -173,3 +173,11 @@ def test_the_hiding_loop_is_measured_in_its_steady_state(tmp_path, monkeypatch):
     stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
     assert events[:3] == ["get pass", "get pass", "compute"]
     assert events[3] == "timed loop with compute"
+
+
+def test_the_sweep_skips_a_pattern_whose_ring_would_pass_its_memory_cap():
+    from offload_core.bench import rawio
+
+    tried = {p.label for p in rawio.patterns([16 << 20, 32 << 20], [4, 16])}
+    assert tried == {"16MiBx4", "16MiBx4-nofalloc", "16MiBx16", "16MiBx16-nofalloc", "32MiBx4", "32MiBx4-nofalloc"}
+    assert rawio.parse("32MiBx4-nofalloc") == rawio.Pattern(32 << 20, 4, False)  # labels round-trip

@@ -12,7 +12,8 @@ run each system's branch on this machine's real files. What it models, as CPytho
   descriptor opened without `O_BINARY` is in text mode: each `\\n` written becomes `\\r\\n`. Deleting or renaming a
   file that is open, or renaming or removing a folder holding an open file, raises `PermissionError` with
   `winerror` 32 (recorded in `refusals`); `scanner(name, times)` makes an antivirus scanner hold files whose
-  name contains `name` for the next `times` deletes or renames. `ftruncate` allocates what it extends (NTFS).
+  name contains `name` for the next `times` deletes or renames. `ftruncate` allocates what it extends (NTFS), writing zeros through the
+  descriptor as the CRT does (so an unbuffered handle refuses it).
   `msvcrt.locking` locks through `flock` on the descriptor: per handle and dropped when the process dies, as
   on Windows. `CreateFileW` with FILE_FLAG_NO_BUFFERING (`SimWin32`) opens a real `O_DIRECT` descriptor, so the
   kernel refuses an unaligned offset, length or buffer (EINVAL) as NTFS does; `refuse_unbuffered` makes it a
@@ -58,7 +59,8 @@ class SimOS:
         self.path = os.path
         self.refusals: List[str] = []
         self.text_writes = 0  # writes through a text-mode descriptor (Windows without O_BINARY)
-        self.opens: List[tuple] = []  # (file name, unbuffered) of every open (Windows)
+        self.opens: List[tuple] = []  # (file name, unbuffered, for reading) of every open (Windows)
+        self.writes: List[tuple] = []  # (file name, unbuffered) of every write (Windows)
         self._open: Dict[int, str] = {}  # fd -> real path (Windows: what may not be deleted or renamed)
         self._text: Set[int] = set()
         self._scanner: Dict[str, int] = {}
@@ -81,7 +83,7 @@ class SimOS:
         binary = flags & self.O_BINARY
         fd = os.open(path, flags & ~(self.O_BINARY | self.O_NOINHERIT), mode)
         with self._lock:
-            self.opens.append((os.path.basename(path), bool(flags & os.O_DIRECT)))
+            self.opens.append((os.path.basename(path), bool(flags & os.O_DIRECT), flags & 3 == os.O_RDONLY))
             self._open[fd] = os.path.realpath(path)
             if not binary:
                 self._text.add(fd)
@@ -94,6 +96,9 @@ class SimOS:
         os.close(fd)
 
     def write(self, fd, data):
+        if self.windows:
+            unbuffered = bool(real_fcntl.fcntl(fd, real_fcntl.F_GETFL) & os.O_DIRECT)
+            self.writes.append((os.path.basename(self._open.get(fd, "")), unbuffered))
         if fd in self._text:
             self.text_writes += 1
             os.write(fd, bytes(data).replace(b"\n", b"\r\n"))
@@ -101,7 +106,11 @@ class SimOS:
         return os.write(fd, data)
 
     def ftruncate(self, fd, length):
-        if self.windows and length > os.fstat(fd).st_size:
+        size = os.fstat(fd).st_size
+        if self.windows and length > size:
+            # The CRT's _chsize_s extends a file by writing zeros through the descriptor from a buffer of its own
+            # (the first of them written here, the rest allocated at once): an unbuffered handle refuses that.
+            os.pwrite(fd, bytes(min(4096, length - size)), size)
             os.posix_fallocate(fd, 0, length)  # NTFS: a file extended is allocated, not sparse
         os.ftruncate(fd, length)
 
@@ -184,6 +193,9 @@ class SimWin32:
         fd = self._os.open(path, rw | how[disposition] | os.O_DIRECT | self._os.O_BINARY, 0o600)
         self.opened += 1
         return fd  # the handle: `open_osfhandle` hands it back as the descriptor
+
+    def close_handle(self, handle):
+        self._os.close(handle)
 
 
 class SimMsvcrt:

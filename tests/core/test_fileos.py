@@ -106,14 +106,28 @@ def test_windows_bypasses_the_page_cache_with_no_buffering_where_the_volume_allo
     fs = simplatform.install(monkeypatch, "windows")
     store = round_trip(mode, tmp_path)
     assert store.stats()["page_cache"] == "no_buffering"
-    layer_opens = [unbuffered for name, unbuffered in fs.os.opens if name.startswith("layer-")]
-    assert len(layer_opens) >= 6 and all(layer_opens)  # every descriptor of every thread, writes and reads
+    reads = [unbuffered for name, unbuffered, reading in fs.os.opens if name.startswith("layer-") and reading]
+    writes = [unbuffered for name, unbuffered in fs.os.writes if name.startswith("layer-")]
+    assert len(reads) >= 3 and all(reads)  # every read descriptor of every thread
+    assert len(writes) >= 6 and all(writes)  # every chunk and header (the allocation alone is buffered)
     store.close()
     fs.win32.refuse_unbuffered = True  # a volume that refuses it: buffered, and the stats say so
     store = round_trip(mode, tmp_path)
     assert store.stats()["page_cache"] == "buffered"
     store.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unbuffered_handle_the_crt_does_not_take_is_closed(tmp_path, monkeypatch):
+    fs = simplatform.install(monkeypatch, "windows")
+
+    def refuse(handle, flags):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(fs.msvcrt, "open_osfhandle", refuse)
+    with pytest.raises(OSError):
+        fs.open(str(tmp_path / "x"), fileos.os.O_WRONLY | fileos.os.O_CREAT, cache_mode="no_buffering")
+    assert fs.os.open_count() == 0  # the handle CreateFileW made is not left open
 
 
 def test_an_unbuffered_windows_handle_refuses_an_unaligned_request(tmp_path, monkeypatch):
