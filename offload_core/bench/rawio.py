@@ -2,7 +2,9 @@
 
 - files: `O_DIRECT` writes and reads of one file in the benchmark's directory in every `Pattern`: request
   size, requests in flight (one thread each), the file's space `fallocate`d first or not; the destination is
-  a ring of at least 4 requests of pre-touched, page-aligned memory. The best pattern is the disk's limit.
+  a ring of at least 4 requests of pre-touched memory in huge pages where the OS has them, as the tiers'
+  buffers are (`hostmem.HostBuffer`; `small_pages` measures what 4 KiB pages cost instead). The best pattern
+  is the disk's limit.
   Without `O_DIRECT` (macOS, some filesystems) the file is written, flushed and dropped from the page cache
   before each read, and the table says so.
 - RAM: one layer copied host to host (`Tensor.copy_`), best of a few.
@@ -11,7 +13,7 @@
 
 from __future__ import annotations
 
-import mmap
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from typing import Dict, List
 
 import torch
 
+from ..hostmem import HostBuffer
 from ..places import GiB
 from ..tiers.fileio import O_DIRECT, drop_pages
 
@@ -33,6 +36,7 @@ class Pattern:
     request: int
     inflight: int
     fallocate: bool = True
+    huge: bool = True  # the ring in transparent huge pages, as the tiers' buffers are (where the OS has them)
 
     @property
     def ring(self) -> int:
@@ -41,7 +45,8 @@ class Pattern:
 
     @property
     def label(self) -> str:
-        return f"{self.request >> 20}MiBx{self.inflight}" + ("" if self.fallocate else "-nofalloc")
+        return f"{self.request >> 20}MiBx{self.inflight}" + ("" if self.fallocate else "-nofalloc") + \
+            ("" if self.huge else "-4k")
 
 
 def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP) -> List[Pattern]:
@@ -50,17 +55,17 @@ def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP
     return [p for p in tried if p.ring * p.request <= ring_cap]
 
 
-def _ring(pattern: Pattern) -> List[mmap.mmap]:
-    ring = [mmap.mmap(-1, pattern.request) for _ in range(pattern.ring)]
+def _ring(pattern: Pattern) -> List[HostBuffer]:
+    ring = [HostBuffer(pattern.request, huge=pattern.huge) for _ in range(pattern.ring)]
     for buf in ring:  # touched now, so no page fault is timed
-        buf.write(b"\1" * pattern.request)
+        buf.tensor.fill_(1)
     return ring
 
 
-def _run(pattern: Pattern, total: int, fn, ring: List[mmap.mmap]) -> float:
+def _run(pattern: Pattern, total: int, fn, ring: List[HostBuffer]) -> float:
     """GiB/s of `fn(offset, buffer)` over every request of `total` bytes, `pattern.inflight` at a time, request i
     into ring slot i mod ring size."""
-    views = [memoryview(b) for b in ring]
+    views = [b.memory() for b in ring]
     start = time.perf_counter()
     with ThreadPoolExecutor(pattern.inflight) as pool:
         list(pool.map(lambda i: fn(i * pattern.request, views[i % len(views)]), range(total // pattern.request)))
@@ -95,6 +100,8 @@ def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, o
             read[pattern.label] = max(_run(pattern, total, lambda off, buf: os.preadv(fd[0], [buf], off), ring)
                                       for _ in range(2))
             os.close(fd[0])
+            for buf in ring:
+                buf.release()
     finally:
         if os.path.exists(path):
             os.unlink(path)
@@ -103,11 +110,22 @@ def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, o
             "best_write_pattern": max(write, key=write.get), "best_read_pattern": max(read, key=read.get)}
 
 
+def small_pages(directory: str, total: int, sweep: Dict[str, object]) -> Dict[str, float]:
+    """What huge pages are worth: the sweep's best write and read patterns again with their ring in 4 KiB
+    pages, each as a fraction of the same pattern's figure in the sweep."""
+    out = {}
+    for kind in ("write", "read"):
+        best = parse(sweep[f"best_{kind}_pattern"])
+        small = dataclasses.replace(best, huge=False)
+        out[kind] = file_limits(directory, total, [small])[f"{kind}_gib_s"][small.label] / sweep[f"{kind}_gib_s"][best.label]
+    return out
+
+
 def parse(label: str) -> Pattern:
     """The pattern a label names (the inverse of `Pattern.label`)."""
-    head, _, tail = label.partition("-")
+    head, *tails = label.split("-")
     request, inflight = head.split("MiBx")
-    return Pattern(int(request) << 20, int(inflight), tail != "nofalloc")
+    return Pattern(int(request) << 20, int(inflight), "nofalloc" not in tails, "4k" not in tails)
 
 
 def _open(path: str, flags: int, direct: bool):

@@ -11,6 +11,7 @@ from typing import Dict, List
 import torch
 
 from .. import KVStore, OffloadConfig
+from ..hostmem import HUGE_PAGES
 from ..places import GiB
 from ..tiers import fileio, fileowner
 from . import rawio, streamreport
@@ -136,6 +137,8 @@ def run(args) -> Dict[str, object]:
         for index in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
             limits = {"file": rawio.file_limits(directory, sweep_bytes, tried),
                       "ram_gib_s": rawio.ram_limit(layer_bytes)}
+            if HUGE_PAGES:
+                limits["file"]["small_pages"] = rawio.small_pages(directory, sweep_bytes, limits["file"])
             if device.type == "cuda":
                 limits["cuda"] = rawio.cuda_limits(layer_bytes, device)
             # Every other round in reverse, so no tier always runs right after the same thing (the sweep, or
@@ -149,7 +152,7 @@ def run(args) -> Dict[str, object]:
     fs = fileio.ram_backed(base)
     return {"device": str(device), "directory": base, "filesystem_in_ram": fs, "cache_bytes": total,
             "layer_bytes": layer_bytes, "io_depth": _io_depth(), "chunk_bytes": fileio.CHUNK,
-            "sweep_bytes": sweep_bytes,
+            "sweep_bytes": sweep_bytes, "ring_pages": "huge" if HUGE_PAGES else "4k",
             "prefetch_depth": args.prefetch_depth, "compute_ratio": args.compute_ratio, "rounds": args.rounds,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None, "torch": torch.__version__,

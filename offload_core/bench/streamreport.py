@@ -47,6 +47,9 @@ def combine(rounds, device: torch.device):
         best_file[f"limit_{kind}_gib_s"] = statistics.median(again) if again else best_file[f"best_{kind}_gib_s"]
         best_file[f"limit_{kind}_range"] = [min(again), max(again)] if again else None  # how much the disk moved
     best_file["limit_passes"] = len(passes)
+    if "small_pages" in files[0]:  # the median of the per-round ratios
+        best_file["small_pages"] = {kind: statistics.median([f["small_pages"][kind] for f in files])
+                                    for kind in ("write", "read")}
     limits["file"] = best_file
     limits["ram_gib_s"] = statistics.median([r[0]["ram_gib_s"] for r in rounds])
     if "cuda" in limits:
@@ -124,8 +127,12 @@ def table(result: Dict[str, object]) -> str:
         f"layers, directory {result['directory']}" + (f" (on {result['filesystem_in_ram']}: in RAM)"
                                                       if result["filesystem_in_ram"] else ""),
         f"raw file patterns ({kind}, a {result.get('sweep_bytes', 0) >> 20} MiB file each, a pre-touched ring of "
-        "max(4, in flight) requests; write/read GiB/s, write without fallocate in brackets; medians of the rounds):",
+        f"max(4, in flight) requests{' in huge pages' if result.get('ring_pages') == 'huge' else ''}; write/read "
+        "GiB/s, write without fallocate in brackets; medians of the rounds):",
         *sweep_lines(f),
+        *([f"the best patterns with the ring in 4 KiB pages instead: write {f['small_pages']['write']:.0%}, read "
+           f"{f['small_pages']['read']:.0%} of the same pattern in huge pages (median of the rounds)"]
+          if "small_pages" in f else []),
         f"best raw pattern: write {f['best_write_gib_s']:.2f} ({f['best_write_pattern']}), read "
         f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); the tiers move {result['chunk_bytes'] >> 20} MiB "
         f"requests, {result['io_depth']} in flight",

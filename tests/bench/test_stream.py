@@ -126,6 +126,7 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
     calls.clear()
     monkeypatch.setattr(stream.rawio, "file_limits", lambda *a: {"write_gib_s": {1: 1.0}, "read_gib_s": {1: 1.0}})
     monkeypatch.setattr(stream.rawio, "ram_limit", lambda n: 1.0)
+    monkeypatch.setattr(stream.rawio, "small_pages", lambda *a: {})
     monkeypatch.setattr(streamreport, "combine", lambda rounds, device: ({"file": {}}, []))
     parser = streamcli.build_parser()
     args = parser.parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2", "--requests", "4",
@@ -181,3 +182,28 @@ def test_the_sweep_skips_a_pattern_whose_ring_would_pass_its_memory_cap():
     tried = {p.label for p in rawio.patterns([16 << 20, 32 << 20], [4, 16])}
     assert tried == {"16MiBx4", "16MiBx4-nofalloc", "16MiBx16", "16MiBx16-nofalloc", "32MiBx4", "32MiBx4-nofalloc"}
     assert rawio.parse("32MiBx4-nofalloc") == rawio.Pattern(32 << 20, 4, False)  # labels round-trip
+    for pattern in (rawio.Pattern(8 << 20, 2, True, False), rawio.Pattern(8 << 20, 2, False, False)):
+        assert rawio.parse(pattern.label) == pattern and pattern.label.endswith("-4k")
+
+
+def test_small_pages_measures_the_best_patterns_again_in_4k_pages(tmp_path, monkeypatch):
+    """The 4 KiB comparison runs the sweep's best write and read patterns with `huge=False`, each against the
+    same pattern's sweep figure; the table prints it."""
+    from offload_core.bench import rawio
+
+    seen = []
+    real = rawio.file_limits
+
+    def recording(directory, total, tried):
+        seen.extend(tried)
+        return real(directory, total, tried)
+
+    monkeypatch.setattr(rawio, "file_limits", recording)
+    sweep = {"best_write_pattern": "4MiBx1", "best_read_pattern": "4MiBx2-nofalloc",
+             "write_gib_s": {"4MiBx1": 1e-9, "4MiBx2-nofalloc": 1.0}, "read_gib_s": {"4MiBx1": 1.0, "4MiBx2-nofalloc": 1e-9}}
+    ratios = rawio.small_pages(str(tmp_path), 8 << 20, sweep)
+    assert seen == [rawio.Pattern(4 << 20, 1, True, False), rawio.Pattern(4 << 20, 2, False, False)]
+    assert ratios["write"] > 1 and ratios["read"] > 1  # against a sweep figure set near zero
+    result = _result([1.0, 1.0], [1.0, 1.0])
+    result["limits"]["file"]["small_pages"] = {"write": 0.98, "read": 0.61}
+    assert "in 4 KiB pages instead: write 98%, read 61%" in streamreport.table(result)

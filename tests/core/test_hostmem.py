@@ -190,3 +190,73 @@ def test_a_pinner_that_does_not_answer_true_or_false_is_refused(answer):
     with pytest.raises(ValueError, match=r"HostServices: `pin` returned .*must page-lock the tensor .*return False"):
         alloc.alloc(4096)
     assert alloc.pinned_bytes == 0 and shared.used == 0  # the reservation went back
+
+
+def _mapping_of(address: int) -> dict:
+    """The /proc/self/smaps entry of the mapping holding `address`: its permissions and its size fields (kB)."""
+    with open("/proc/self/smaps") as f:
+        blocks = f.read().split("\n")
+    found, fields = False, {}
+    for line in blocks:
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 2 and all(c in "0123456789abcdef-" for c in head[0]):
+            if found:
+                break
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            found = lo <= address < hi
+            fields = {"perms": head[1]}
+        elif found and head and head[0] == "VmFlags:":
+            fields["VmFlags"] = set(head[1:])  # "hg": huge pages asked for, "nh": refused (madvise)
+        elif found and head and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+            fields[head[0][:-1]] = int(head[1])
+    assert found, f"no mapping holds {address:#x}"
+    return fields
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+needs_thp = pytest.mark.skipif(not hostmem.HUGE_PAGES or _thp_mode() not in ("always", "madvise"),
+                               reason="transparent huge pages are not offered here")
+
+
+@needs_thp
+def test_large_buffers_are_private_memory_in_huge_pages():
+    """From 2 MiB up a buffer starts on a huge-page boundary and gets huge pages: a disk's DMA takes each
+    2 MiB as one segment, where scattered 4 KiB pages made the file tiers' reads half as fast (a shared
+    mapping, Python's default, is shmem and gets none)."""
+    buf = hostmem.HostBuffer(16 << 20)
+    try:
+        assert buf.tensor.data_ptr() % hostmem.HUGE_PAGE == 0
+        buf.tensor.fill_(1)
+        mapping = _mapping_of(buf.tensor.data_ptr())
+        assert mapping["perms"].endswith("p"), mapping  # private, not shmem
+        assert "hg" in mapping["VmFlags"], mapping
+        assert mapping["AnonHugePages"] >= 8 << 10, mapping  # most of its 16 MiB (the kernel may miss a page or two)
+        view = buf.memory()
+        assert len(view) == 16 << 20
+        assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() == buf.tensor.data_ptr()
+        del view
+    finally:
+        buf.release()
+
+
+@needs_thp
+def test_small_pages_on_request_and_below_a_huge_page():
+    """`huge=False` (the raw benchmark's comparison) keeps 4 KiB pages even where THP is "always"; a buffer
+    under 2 MiB is only page-aligned and maps no more than its pages."""
+    small = hostmem.HostBuffer(16 << 20, huge=False)
+    tiny = hostmem.HostBuffer(100_000)
+    try:
+        small.tensor.fill_(1)
+        mapping = _mapping_of(small.tensor.data_ptr())
+        assert mapping["AnonHugePages"] == 0 and "nh" in mapping["VmFlags"], mapping
+        assert tiny.tensor.data_ptr() % 4096 == 0 and len(tiny.memory()) == 25 * 4096
+    finally:
+        small.release()
+        tiny.release()
