@@ -61,8 +61,11 @@ class HostBuffer:
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE if huge else 0
         try:
-            if huge:  # only whole huge pages inside the buffer: the rest of the mapping keeps small pages
-                self._map.madvise(_MADV_HUGEPAGE, start, length // HUGE_PAGE * HUGE_PAGE)
+            if huge:  # whole huge pages inside the buffer; the rest (the buffer's tail) never gets one
+                whole_pages = length // HUGE_PAGE * HUGE_PAGE
+                self._map.madvise(_MADV_HUGEPAGE, start, whole_pages)
+                if whole_pages < len(self._map) - start:
+                    self._map.madvise(mmap.MADV_NOHUGEPAGE, start + whole_pages, len(self._map) - start - whole_pages)
             elif HUGE_PAGES:  # small pages asked for (the raw benchmark's comparison), also where THP is "always"
                 self._map.madvise(mmap.MADV_NOHUGEPAGE)
         except OSError:

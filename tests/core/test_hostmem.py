@@ -257,6 +257,14 @@ def test_small_pages_on_request_and_below_a_huge_page():
         mapping = _mapping_of(small.tensor.data_ptr())
         assert mapping["AnonHugePages"] == 0 and "nh" in mapping["VmFlags"], mapping
         assert tiny.tensor.data_ptr() % 4096 == 0 and len(tiny.memory()) == 25 * 4096
+        # A buffer's tail past its last whole huge page keeps small pages: no huge page reaches past the buffer
+        ragged = hostmem.HostBuffer((4 << 20) + 5000)
+        try:
+            ragged.tensor.fill_(1)
+            assert "nh" in _mapping_of(ragged.tensor.data_ptr() + (4 << 20))["VmFlags"]
+            assert "hg" in _mapping_of(ragged.tensor.data_ptr())["VmFlags"]
+        finally:
+            ragged.release()
     finally:
         small.release()
         tiny.release()
