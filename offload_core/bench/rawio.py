@@ -117,7 +117,8 @@ def small_pages(directory: str, total: int, sweep: Dict[str, object]) -> Dict[st
     for kind in ("write", "read"):
         best = parse(sweep[f"best_{kind}_pattern"])
         small = dataclasses.replace(best, huge=False)
-        out[kind] = file_limits(directory, total, [small])[f"{kind}_gib_s"][small.label] / sweep[f"{kind}_gib_s"][best.label]
+        got = file_limits(directory, total, [small])[f"{kind}_gib_s"][small.label]
+        out[kind] = got / sweep[f"{kind}_gib_s"][best.label]
     return out
 
 

@@ -1,7 +1,8 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
 The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads (`file_sync`:
-the last wave of a layer in quarter-chunk requests, so the queue drains for less time at its end) into a read
+the last wave of a layer in quarter-chunk requests, each chunk's checksum taken part by part as they arrive, so
+the queue drains for less time at its end and the last checksum is short) into a read
 staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared with
 what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are page-aligned, so
 there the chunks are read straight into the slot, with no copy. `file_async` runs the per-layer steps on two lanes
@@ -22,12 +23,46 @@ from ..devices import DONE, Fence
 from ..hostmem import HostBuffer
 from ..layout import ALIGN
 from .base import Pending, TierContext
-from .fileio import KVFileError, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact
+from .fileio import (KVFileError, checksum_module, chunks, corrupted, digest, drop_pages, header_matches, open_checked,
+                     pread_exact)
 from .filewrite import LayerFile
 from .iopool import IOPool, IOStuckError, Then, io_timeout, wait_all, when_done
 from .staging import StagingPool
 
 TAIL_PARTS = 4  # requests per chunk in the last wave of a layer's read (see Reader._parts)
+
+
+class _Parts:
+    """The parts of one chunk read as several requests: its checksum is taken part by part, in order, as they
+    arrive (on the hash threads; one at a time, by whichever thread finds the next part in)."""
+
+    def __init__(self, starts: List[int]):
+        self._order = starts
+        self._arrived: Dict[int, memoryview] = {}
+        self._next = 0  # index in `_order` of the next part to hash
+        self._busy = False  # a thread is hashing; parts that arrive meanwhile are left to it
+        self._hasher = checksum_module().xxh3_64()
+        self._lock = threading.Lock()
+
+    def arrived(self, start: int, piece: memoryview, hashing: bool) -> Optional[int]:
+        """Part `start` is in; hashes every part now in, in order. Returns the chunk's digest (0 without
+        `hashing`) to the one call that finds the last part done, else None."""
+        with self._lock:
+            self._arrived[start] = piece
+            if self._busy:
+                return None
+            self._busy = True
+        while True:
+            with self._lock:
+                if self._next == len(self._order):
+                    return self._hasher.intdigest() if hashing else 0
+                piece = self._arrived.pop(self._order[self._next], None)
+                if piece is None:
+                    self._busy = False  # the next part's own arrival hashes it (it takes the lock after this)
+                    return None
+            if hashing:
+                self._hasher.update(piece)
+            self._next += 1
 
 
 class Reader:
@@ -109,18 +144,16 @@ class Reader:
         mem = item[0].memory()
         into = target.memory() if target is not None else None
 
-        def read_chunk(off: int, n: int, expected: Optional[int], part: Optional[Tuple[int, int, list]] = None):
-            """Reads the chunk at `off` (or one `part` of it: offset in the chunk, length, [parts left, lock]);
-            its checksum follows once all of it is in."""
+        def read_chunk(off: int, n: int, expected: Optional[int], part: Optional[Tuple[int, int, "_Parts"]] = None):
+            """Reads the chunk at `off` (or one `part` of it: offset in the chunk, length, the chunk's parts); its
+            checksum follows (a part's share of it, in order)."""
             view = into[off - base:off - base + n] if into is not None else mem[off:off + n]
             if part is not None:
-                start, size, left = part
-                pread_exact(fd, view[start:start + size], off + start, entry.path)
-                with left[1]:
-                    left[0] -= 1
-                    if left[0]:
-                        return None  # another part of this chunk is still being read
-            elif off == base:  # the header comes with the first chunk: one request fewer per layer
+                start, size, parts = part
+                piece = view[start:start + size]
+                pread_exact(fd, piece, off + start, entry.path)
+                return Then(functools.partial(check_part, view, off, n, expected, parts, start, piece), self._hashes)
+            if off == base:  # the header comes with the first chunk: one request fewer per layer
                 head = mem[:base]
                 pread_exact(fd, view, 0, entry.path, head=head)
                 bad = header_matches(head, entry.header)
@@ -131,8 +164,14 @@ class Reader:
                 pread_exact(fd, view, off, entry.path)
             return Then(functools.partial(check_chunk, view, off, n, expected), self._hashes)  # next request first
 
-        def check_chunk(view: memoryview, off: int, n: int, expected: Optional[int]) -> None:
-            if expected is not None and digest(view) != expected:
+        def check_part(view: memoryview, off: int, n: int, expected: Optional[int], parts: "_Parts", start: int,
+                       piece: memoryview) -> None:
+            got = parts.arrived(start, piece, expected is not None)
+            if got is not None:  # the chunk's last part to be hashed: the whole chunk is in
+                check_chunk(view, off, n, expected, got)
+
+        def check_chunk(view: memoryview, off: int, n: int, expected: Optional[int], got: Optional[int] = None) -> None:
+            if expected is not None and (digest(view) if got is None else got) != expected:
                 raise corrupted(entry.path, off, n)
             if direct is not None and into is None:
                 with self._ctx.streams.timed("transfer"):
@@ -143,30 +182,44 @@ class Reader:
         what = f"the read of {entry.path}"
         futures: List[cf.Future] = []
         try:
-            for index, job in enumerate(jobs):
-                for part in self._parts(index, len(jobs), job[1]):
-                    self._chunks.submit(functools.partial(read_chunk, *job, part), what, into=futures)
+            for job, part in self._requests(jobs):
+                self._chunks.submit(functools.partial(read_chunk, *job, part), what, into=futures)
         except BaseException:  # the requests already queued may run: fd and buffer go once they have stopped
             when_done(futures, functools.partial(self._drop_read, fd, item))
             raise
         return item, fd, futures
 
-    def _parts(self, index: int, count: int, n: int) -> List[Optional[Tuple[int, int, list]]]:
+    def _requests(self, jobs: list) -> list:
+        """(chunk job, part) in the order they are queued: whole chunks in file order, then the last wave's
+        parts round by round (every chunk's first part, then every chunk's second, ...). So each chunk's parts
+        arrive spread over the wave and its checksum is mostly taken before its last part is in: at the end
+        only the last round's parts are left to hash."""
+        whole, rounds = [], {}
+        for index, job in enumerate(jobs):
+            parts = self._parts(index, len(jobs), job[1])
+            if parts == [None]:
+                whole.append((job, None))
+                continue
+            for place, part in enumerate(parts):
+                rounds.setdefault(place, []).append((job, part))
+        return whole + [request for place in sorted(rounds) for request in rounds[place]]
+
+    def _parts(self, index: int, count: int, n: int) -> List[Optional[Tuple[int, int, "_Parts"]]]:
         """How chunk `index` of `count` (`n` bytes) is requested: whole (`[None]`), or, in `file_sync`, for the
         last wave of a layer (its last `workers` chunks, never the first, which carries the header), as
         `TAIL_PARTS` requests.
 
         A `file_sync` read ends when its slowest last request does, and the disk's queue drains while the last
-        wave's requests end one by one: shorter requests there keep it fuller up to the layer's end. Not in
-        `file_async`, whose start lane queues the next layer's requests behind these, so its queue never drains
-        at a layer's end (docs/benchmark.md has the measurements)."""
+        wave's requests end one by one: shorter requests there keep it fuller up to the layer's end, and the
+        chunk's checksum, taken part by part as they arrive, leaves only a part's share of it after the last
+        read. Not in `file_async`, whose start lane queues the next layer's requests behind these, so its queue
+        never drains at a layer's end (docs/benchmark.md has the measurements)."""
         part = (n // TAIL_PARTS) // ALIGN * ALIGN
         if self._lanes or index == 0 or index < count - self._chunks.workers or part == 0:
             return [None]
-        left = [0, threading.Lock()]  # parts not yet read, shared by the chunk's requests
-        parts = [(start, min(part, n - start), left) for start in range(0, n, part)]
-        left[0] = len(parts)
-        return parts
+        starts = range(0, n, part)
+        parts = _Parts(list(starts))
+        return [(start, min(part, n - start), parts) for start in starts]
 
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, opened) -> Fence:
         item, fd, futures = opened

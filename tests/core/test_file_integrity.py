@@ -295,3 +295,55 @@ def test_a_failed_part_fails_the_read_and_close_returns(tmp_path, monkeypatch):
     assert torch.equal(k, layers[2][0]) and torch.equal(v, layers[2][1])
     store.close()
     assert os.listdir(tmp_path) == [] and fileread.TAIL_PARTS == 4
+
+
+def test_the_last_wave_is_queued_round_by_round(tmp_path, monkeypatch):
+    """Every tail chunk's first part, then every one's second, ...: each chunk's parts arrive spread over the
+    wave, so its checksum is mostly taken before its last part is in."""
+    from offload_core.tiers import file, fileread
+
+    tail = min(file.IO_DEPTH, 7)
+    store, layers = _split_store("file_sync", tmp_path, monkeypatch)
+    queued = []
+    real = fileread.Reader._requests
+
+    def recording(reader, jobs):
+        out = real(reader, jobs)
+        queued.extend((job[0], part[0] if part else None) for job, part in out)
+        return out
+
+    monkeypatch.setattr(fileread.Reader, "_requests", recording)
+    assert torch.equal(store.get(1)[0], layers[1][0])
+    parts = [(chunk, start) for chunk, start in queued if start is not None]
+    chunks = sorted({chunk for chunk, _ in parts})
+    assert len(chunks) == tail and [start for _, start in parts] == [s for s in range(0, 64 << 10, 16 << 10)
+                                                                    for _ in range(tail)]
+    assert [chunk for chunk, _ in parts] == chunks * 4
+    store.close()
+
+
+def test_a_chunks_checksum_taken_part_by_part_is_the_whole_chunks(monkeypatch):
+    """Parts arriving in any order, from several threads at once: exactly one arrival returns the digest, and
+    it is the chunk's own."""
+    import random
+    import threading
+
+    from offload_core.tiers import fileread
+
+    data = memoryview(bytes(random.Random(1).randbytes(64 << 10)))
+    starts = list(range(0, 64 << 10, 16 << 10))
+    for seed in range(20):
+        parts = fileread._Parts(starts)
+        order = random.Random(seed).sample(starts, len(starts))
+        results, gate = [], threading.Barrier(len(order))
+
+        def arrive(start):
+            gate.wait()
+            results.append(parts.arrived(start, data[start:start + (16 << 10)], True))
+
+        threads = [threading.Thread(target=arrive, args=(s,)) for s in order]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r for r in results if r is not None] == [fileio.digest(data)], results
