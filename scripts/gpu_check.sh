@@ -34,7 +34,8 @@
 # step on the CPU (the tests without the sanitizer, the demo at 4 MiB a layer); GPU_CHECK_SIZE=tiny runs the
 # benchmarks at the tiny size; GPU_CHECK_LIMIT_SCALE multiplies every step's limit; GPU_CHECK_MARK and
 # GPU_CHECK_K select the tests (pytest's -m, default "gpu", and -k); GPU_CHECK_STREAM_ARGS are the streaming
-# benchmark's options (default --rounds 3). Extra arguments go to both benchmark runs (e.g. --modes
+# benchmark's options (default --rounds 3 --sweep-mib 64: its pattern sweep moves 38 patterns x 3 passes of
+# the sweep file a round, 29 GiB at the 256 MiB default, which would not fit in the step's limit on most disks). Extra arguments go to both benchmark runs (e.g. --modes
 # gpu,ram_async). Results and logs: $GPU_CHECK_OUT (default gpu-check/).
 set -uo pipefail  # not -e: every step runs, the summary decides the exit status
 cd "$(dirname "$0")/.."
@@ -120,7 +121,7 @@ if [ "$with_diffusers" = 1 ]; then
 fi
 step pose "${POSE_TIMEOUT:-60}" "$py" -m offload_core bench --pose --size "$size" --frames "${POSE_FRAMES:-17}" \
     --device "$device" --runs "$runs" --json "$out/pose.json"
-read -r -a stream_args <<< "${GPU_CHECK_STREAM_ARGS:---rounds 3}"
+read -r -a stream_args <<< "${GPU_CHECK_STREAM_ARGS:---rounds 3 --sweep-mib 64}"
 step stream "${STREAM_TIMEOUT:-45}" "$py" -m offload_core stream --device "$device" "${stream_args[@]}"
 step tests 45 "$py" -m pytest -q "${select[@]}" --junitxml="$out/tests.xml" "${suites[@]}"
 echo
