@@ -1,7 +1,8 @@
 """Page-aligned host buffers, page-locked lazily within a budget, with a visible fallback to pageable memory.
 
-Every buffer is an anonymous `mmap` viewed as a uint8 tensor: page-aligned, as `O_DIRECT` reads need (torch's
-CPU allocator only aligns to 64 bytes), and returned to the OS the moment it is freed. Pinning registers the
+Every buffer is a private anonymous `mmap` viewed as a uint8 tensor: page-aligned, as `O_DIRECT` reads need
+(torch's CPU allocator only aligns to 64 bytes), in transparent huge pages from 2 MiB up where the OS has them
+(`HostBuffer`), and returned to the OS the moment it is freed. Pinning registers the
 existing pages (`cudaHostRegister`, or the host's own `pin`, e.g. ComfyUI's budgeted `pin_memory`) one layer
 at a time, never the whole cache up front; past the budget or when the driver refuses, the buffer stays
 pageable and the store reports `pinned_fallback`.
