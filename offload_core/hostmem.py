@@ -33,9 +33,9 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 HUGE_PAGES = _MADV_HUGEPAGE is not None and hasattr(mmap, "MAP_PRIVATE")
-# Private anonymous memory where the OS has it (POSIX): Python's default there is a shared mapping, which is
-# memory of the in-RAM filesystem (shmem) and gets no transparent huge pages.
-_PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+# Private memory where the OS has it (POSIX; `mmap` adds MAP_ANONYMOUS itself for fileno -1): Python's default
+# there is a shared mapping, which is memory of the in-RAM filesystem (shmem) and gets no transparent huge pages.
+_PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
 def round_up(n: int, align: int = 4096) -> int:

@@ -112,14 +112,11 @@ def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, o
 
 def small_pages(directory: str, total: int, sweep: Dict[str, object]) -> Dict[str, float]:
     """What huge pages are worth: the sweep's best write and read patterns again with their ring in 4 KiB
-    pages, each as a fraction of the same pattern's figure in the sweep."""
-    out = {}
-    for kind in ("write", "read"):
-        best = parse(sweep[f"best_{kind}_pattern"])
-        small = dataclasses.replace(best, huge=False)
-        got = file_limits(directory, total, [small])[f"{kind}_gib_s"][small.label]
-        out[kind] = got / sweep[f"{kind}_gib_s"][best.label]
-    return out
+    pages (one pass where they are the same pattern), each as a fraction of the same pattern in the sweep."""
+    best = {kind: parse(sweep[f"best_{kind}_pattern"]) for kind in ("write", "read")}
+    small = {kind: dataclasses.replace(p, huge=False) for kind, p in best.items()}
+    got = file_limits(directory, total, list(dict.fromkeys(small.values())))
+    return {kind: got[f"{kind}_gib_s"][small[kind].label] / sweep[f"{kind}_gib_s"][best[kind].label] for kind in best}
 
 
 def parse(label: str) -> Pattern:

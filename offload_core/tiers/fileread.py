@@ -36,17 +36,17 @@ class _Parts:
     """The parts of one chunk read as several requests: its checksum is taken part by part, in order, as they
     arrive (on the hash threads; one at a time, by whichever thread finds the next part in)."""
 
-    def __init__(self, starts: List[int]):
+    def __init__(self, starts: List[int], hashing: bool):
         self._order = starts
         self._arrived: Dict[int, memoryview] = {}
         self._next = 0  # index in `_order` of the next part to hash
         self._busy = False  # a thread is hashing; parts that arrive meanwhile are left to it
-        self._hasher = checksum_module().xxh3_64()
+        self._hasher = checksum_module().xxh3_64() if hashing else None  # None: the chunk has no digest to check
         self._lock = threading.Lock()
 
-    def arrived(self, start: int, piece: memoryview, hashing: bool) -> Optional[int]:
-        """Part `start` is in; hashes every part now in, in order. Returns the chunk's digest (0 without
-        `hashing`) to the one call that finds the last part done, else None."""
+    def arrived(self, start: int, piece: memoryview) -> Optional[int]:
+        """Part `start` is in; hashes every part now in, in order. Returns the chunk's digest (0 where nothing
+        is hashed) to the one call that finds the last part done, else None."""
         with self._lock:
             self._arrived[start] = piece
             if self._busy:
@@ -55,12 +55,12 @@ class _Parts:
         while True:
             with self._lock:
                 if self._next == len(self._order):
-                    return self._hasher.intdigest() if hashing else 0
+                    return self._hasher.intdigest() if self._hasher is not None else 0
                 piece = self._arrived.pop(self._order[self._next], None)
                 if piece is None:
                     self._busy = False  # the next part's own arrival hashes it (it takes the lock after this)
                     return None
-            if hashing:
+            if self._hasher is not None:
                 self._hasher.update(piece)
             self._next += 1
 
@@ -166,7 +166,7 @@ class Reader:
 
         def check_part(view: memoryview, off: int, n: int, expected: Optional[int], parts: "_Parts", start: int,
                        piece: memoryview) -> None:
-            got = parts.arrived(start, piece, expected is not None)
+            got = parts.arrived(start, piece)
             if got is not None:  # the chunk's last part to be hashed: the whole chunk is in
                 check_chunk(view, off, n, expected, got)
 
@@ -196,7 +196,7 @@ class Reader:
         only the last round's parts are left to hash."""
         whole, rounds = [], {}
         for index, job in enumerate(jobs):
-            parts = self._parts(index, len(jobs), job[1])
+            parts = self._parts(index, len(jobs), job[1], job[2] is not None)
             if parts == [None]:
                 whole.append((job, None))
                 continue
@@ -204,10 +204,10 @@ class Reader:
                 rounds.setdefault(place, []).append((job, part))
         return whole + [request for place in sorted(rounds) for request in rounds[place]]
 
-    def _parts(self, index: int, count: int, n: int) -> List[Optional[Tuple[int, int, "_Parts"]]]:
-        """How chunk `index` of `count` (`n` bytes) is requested: whole (`[None]`), or, in `file_sync`, for the
-        last wave of a layer (its last `workers` chunks, never the first, which carries the header), as
-        `TAIL_PARTS` requests.
+    def _parts(self, index: int, count: int, n: int, hashing: bool) -> List[Optional[Tuple[int, int, "_Parts"]]]:
+        """How chunk `index` of `count` (`n` bytes; `hashing`: it has a digest to check) is requested: whole
+        (`[None]`), or, in `file_sync`, for the last wave of a layer (its last `workers` chunks, never the first,
+        which carries the header), as `TAIL_PARTS` requests.
 
         A `file_sync` read ends when its slowest last request does, and the disk's queue drains while the last
         wave's requests end one by one: shorter requests there keep it fuller up to the layer's end, and the
@@ -218,7 +218,7 @@ class Reader:
         if self._lanes or index == 0 or index < count - self._chunks.workers or part == 0:
             return [None]
         starts = range(0, n, part)
-        parts = _Parts(list(starts))
+        parts = _Parts(list(starts), hashing)
         return [(start, min(part, n - start), parts) for start in starts]
 
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, opened) -> Fence:

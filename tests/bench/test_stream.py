@@ -204,6 +204,10 @@ def test_small_pages_measures_the_best_patterns_again_in_4k_pages(tmp_path, monk
     ratios = rawio.small_pages(str(tmp_path), 8 << 20, sweep)
     assert seen == [rawio.Pattern(4 << 20, 1, True, False), rawio.Pattern(4 << 20, 2, False, False)]
     assert ratios["write"] > 1 and ratios["read"] > 1  # against a sweep figure set near zero
+    seen.clear()
+    same = dict(sweep, best_read_pattern="4MiBx1", read_gib_s={"4MiBx1": 1e-9})
+    assert set(rawio.small_pages(str(tmp_path), 8 << 20, same)) == {"write", "read"}
+    assert seen == [rawio.Pattern(4 << 20, 1, True, False)]  # one pattern best at both: measured once
     result = _result([1.0, 1.0], [1.0, 1.0])
     result["limits"]["file"]["small_pages"] = {"write": 0.98, "read": 0.61}
     assert "in 4 KiB pages instead: write 98%, read 61%" in streamreport.table(result)
