@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
 import torch
@@ -29,6 +30,15 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _DTYPES[getattr(torch, _name)] = _code
 
 
+def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`, as torch counts them where a size is 0."""
+    stride, n = [], 1
+    for size in reversed(shape):
+        stride.append(n)
+        n *= max(size, 1)
+    return tuple(stride[::-1])
+
+
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -39,6 +49,10 @@ class TensorSpec:
     shape: Tuple[int, ...]
     offset: int  # from the start of the data section
     nbytes: int
+    stride: Tuple[int, ...] = field(init=False, compare=False)  # a contiguous tensor's, counted once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stride", _contiguous_stride(self.shape))
 
 
 @dataclass(frozen=True)
@@ -74,33 +88,85 @@ def layout_for(k: torch.Tensor, v: torch.Tensor, v_from: int = 0) -> LayerLayout
 
 
 def views(flat: torch.Tensor, layout: LayerLayout, base: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-    """K and V as views into the uint8 buffer `flat`, whose data section starts at byte `base`."""
+    """K and V as views into the uint8 buffer `flat`, whose data section starts at byte `base`.
+
+    Raises `ValueError` when the layer does not fit in `flat` from `base` (a slice would silently be shorter)."""
+    _check_fits(flat.numel(), layout, base)
     out = []
     for spec in layout.specs:
         start = base + spec.offset
         out.append(flat[start:start + spec.nbytes].view(spec.dtype).view(spec.shape))
+    if CHECK_VIEWS:
+        check_within(flat, out, layout, base)
     return out[0], out[1]
 
 
-def typed_views(flat: torch.Tensor, layout: LayerLayout,
-                typed: Dict[torch.dtype, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`views(flat, layout)`, in one torch call per tensor: `typed` keeps `flat` viewed as each dtype (the
-    caller's cache, to be emptied when `flat` changes), and K and V are strided views of that.
+class TypedViews:
+    """A flat uint8 buffer viewed once as each dtype served from it, for `typed_views`; made anew (never reused)
+    when the buffer changes.
+
+    `as_strided` counts its offset from the start of the *storage*, not of the tensor it is called on, and a
+    buffer is often a slice of a larger storage (a host buffer starts at its first huge page inside its
+    mapping): so each dtype's view is kept with its own storage offset, added to every layer offset."""
+
+    __slots__ = ("flat", "nbytes", "_typed")
+
+    def __init__(self, flat: torch.Tensor):
+        if flat.dtype != torch.uint8 or flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError(f"TypedViews: the buffer must be a flat contiguous uint8 tensor; got {flat.dtype} "
+                             f"of shape {tuple(flat.shape)}.")
+        self.flat, self.nbytes = flat, flat.numel()
+        self._typed: Dict[torch.dtype, Tuple[torch.Tensor, int]] = {}
+
+    def of(self, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
+        """`flat` viewed as `dtype` and the storage offset (in elements of `dtype`) of its first byte."""
+        got = self._typed.get(dtype)
+        if got is None:
+            whole = self.flat.view(dtype)
+            got = self._typed[dtype] = (whole, whole.storage_offset())
+        return got
+
+
+def typed_views(buffer: TypedViews, layout: LayerLayout) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`views(buffer.flat, layout)`, in one torch call per tensor: strided views of the buffer's typed views.
 
     For the tensors a `get` serves, made fresh every time (a consumer may change a view's shape in place), in
     as few torch calls as possible: each one releases the GIL and has to win it back from the I/O threads
     (figures in docs/benchmark.md, "Engine measurements")."""
+    _check_fits(buffer.nbytes, layout, 0)
     out = []
     for spec in layout.specs:
-        whole = typed.get(spec.dtype)
-        if whole is None:
-            whole = typed[spec.dtype] = flat.view(spec.dtype)
-        stride, n = [], 1
-        for size in reversed(spec.shape):
-            stride.append(n)
-            n *= max(size, 1)  # as torch counts the strides of a shape with a 0 in it
-        out.append(whole.as_strided(spec.shape, stride[::-1], spec.offset // whole.element_size()))
+        whole, first = buffer.of(spec.dtype)
+        out.append(whole.as_strided(spec.shape, spec.stride, first + spec.offset // whole.element_size()))
+    if CHECK_VIEWS:
+        check_within(buffer.flat, out, layout, 0)
     return out[0], out[1]
+
+
+# Every view handed out is also checked against the buffer's address range (`check_within`): set by the tests
+# (tests/conftest.py) and by KV_OFFLOAD_CHECK_VIEWS=1. Off by default: `_check_fits`, always on, already proves
+# the range from the sizes; this proves the address arithmetic too, at two address reads per view.
+CHECK_VIEWS = os.environ.get("KV_OFFLOAD_CHECK_VIEWS", "") == "1"
+
+
+def _check_fits(available: int, layout: LayerLayout, base: int) -> None:
+    if base < 0 or base + layout.data_bytes > available:
+        raise ValueError(f"KV offload: a layer of {layout.data_bytes} bytes from byte {base} does not fit in a "
+                         f"buffer of {available} bytes; this is a bug in the store, please report it.")
+
+
+def check_within(flat: torch.Tensor, got, layout: LayerLayout, base: int) -> None:
+    """Raises `AssertionError` unless each view in `got` starts exactly where its spec says inside `flat` (from
+    byte `base`) and ends inside it: the guard against a view of the wrong bytes, whatever built it."""
+    start, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+    for spec, t in zip(layout.specs, got):
+        if spec.nbytes == 0 and t.nbytes == 0:
+            continue  # an empty view has no address (torch gives it 0) and serves no bytes
+        at = t.data_ptr()
+        if at != start + base + spec.offset or at + spec.nbytes > end or t.nbytes != spec.nbytes:
+            raise AssertionError(
+                f"KV offload: a view of {spec.nbytes} bytes meant for byte {base + spec.offset} of a buffer of "
+                f"{end - start} bytes starts at byte {at - start}: it would serve other bytes.")
 
 
 def copy_in(flat: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch.Tensor, non_blocking: bool = False) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from .devices import DONE, Streams
 from .layers import Layers
-from .layout import typed_views, views
+from .layout import TypedViews, typed_views, views
 from .places import DEVICE
 from .stats import StoreStats
 from .tiers import Pending, Tier
@@ -29,7 +29,7 @@ class Slot:
 
     def __init__(self) -> None:
         self.buffer: Optional[torch.Tensor] = None  # the layer as served (the dtype put)
-        self.typed: Dict[torch.dtype, torch.Tensor] = {}  # `buffer` viewed as each dtype served (layout.typed_views)
+        self.typed: Optional[TypedViews] = None  # `buffer` viewed as each dtype served (layout.typed_views)
         self.coded: Optional[torch.Tensor] = None  # with a codec: the encoded bytes a tier copies in
         self.key: Optional[Hashable] = None
         self.pending = Pending()
@@ -101,7 +101,7 @@ class SlotRing:
                 if expands:
                     self._expand(key, slot)
                 self.current = slot
-            k, v = typed_views(self.current.buffer, layers.layouts[key], self.current.typed)
+            k, v = typed_views(self.current.typed, layers.layouts[key])
         self._served = (key, k, v, k._version + v._version)
         return k, v
 
@@ -225,7 +225,7 @@ class SlotRing:
         if small:
             grown += nbytes - (slot.buffer.numel() if slot.buffer is not None else 0)
             slot.buffer = self._new_buffer(nbytes)
-            slot.typed = {}  # views of the old buffer: never serve them
+            slot.typed = TypedViews(slot.buffer)  # views of the old buffer: never served again
         if small_coded:
             grown += coded - (slot.coded.numel() if slot.coded is not None else 0)
             slot.coded = self._new_buffer(coded)

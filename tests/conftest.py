@@ -5,10 +5,15 @@ from inside the package. Tests import it as `kv_offload_pack.nodes.<module>`.
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
 
 import pytest
+
+# Every view a store hands out or fills is checked against its buffer's address range (offload_core.layout),
+# here and in every process the tests start (a real ComfyUI included).
+os.environ["KV_OFFLOAD_CHECK_VIEWS"] = "1"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACK = "kv_offload_pack"

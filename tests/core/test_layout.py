@@ -59,21 +59,39 @@ def test_a_contiguous_host_range_is_copied_as_its_values(make):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("start", [0, 4096, 3 << 20])  # a buffer at its storage's start, and slices of one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
-def test_typed_views_are_the_views_in_one_call_each(dtype):
-    from offload_core.layout import typed_views, views
+def test_typed_views_are_the_views_in_one_call_each(dtype, start):
+    from offload_core.layout import TypedViews, typed_views, views
 
     k, v = torch.randn(2, 3, 50, 7).to(dtype), torch.randn(5, 1, 0).to(dtype)  # an empty V too
     for kk, vv in ((k, v), (k[0], k.reshape(-1)), (torch.tensor(3.0).to(dtype), k)):  # a scalar K
         layout = layout_for(kk, vv)
-        flat = torch.zeros(layout.data_bytes, dtype=torch.uint8)
+        storage = torch.full((start + layout.data_bytes + 4096,), 0xAB, dtype=torch.uint8)
+        flat = storage[start:start + layout.data_bytes]  # as a host buffer is a slice of its mapping
         copy_in(flat, layout, kk, vv)
-        typed = {}
+        typed = TypedViews(flat)
         for _ in range(2):  # the second time from the cache
-            got, want = typed_views(flat, layout, typed), views(flat, layout)
+            got, want = typed_views(typed, layout), views(flat, layout)
             for a, b in zip(got, want):
                 assert (a.dtype, a.shape, a.stride(), a.data_ptr()) == (b.dtype, b.shape, b.stride(), b.data_ptr())
                 assert torch.equal(a, b)
-            assert set(typed) == {dtype}
+            assert torch.equal(got[0], kk) and torch.equal(got[1], vv)
         got[0].add_(1)
         assert got[0]._version == want[0]._version  # one version counter: an in-place write is still seen
+
+
+def test_a_view_outside_its_buffer_is_refused():
+    from offload_core import layout as lay
+
+    k, v = torch.randn(3, 1000), torch.randn(3, 1000)
+    layout = layout_for(k, v)
+    flat = torch.zeros(layout.data_bytes + 8192, dtype=torch.uint8)[8192:]
+    with pytest.raises(ValueError, match="does not fit"):
+        lay.views(flat[:layout.data_bytes - 1], layout)
+    with pytest.raises(ValueError, match="does not fit"):
+        lay.typed_views(lay.TypedViews(flat[:layout.data_bytes - 4096]), layout)
+    wrong = (flat[4096:].view(torch.float32)[:3000].view(3, 1000), flat[:12000].view(torch.float32).view(3, 1000))
+    with pytest.raises(AssertionError, match="other bytes"):
+        lay.check_within(flat, wrong, layout, 0)
+    assert lay.CHECK_VIEWS  # the tests run with every view's address checked (tests/conftest.py)
