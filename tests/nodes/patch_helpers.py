@@ -47,30 +47,34 @@ class Spy(KVStore):
         Spy.made.append(self)
 
 
-def inputs(seed=0, cfg=False, device="cpu", batch=1):
-    """(noise, refs, txts): `batch` latents of one prompt and one reference (repeated to the batch, as ComfyUI's
-    conds are); with `cfg` a second reference and prompt for the uncond."""
+def inputs(seed=0, cfg=False, device="cpu", batch=1, hidden=32, ref_tokens=5):
+    """(noise, refs, txts): `batch` latents of one prompt and one reference of `ref_tokens` tokens (repeated to
+    the batch, as ComfyUI's conds are); with `cfg` a second reference and prompt for the uncond."""
     g = torch.Generator().manual_seed(seed)
     n = 2 if cfg else 1
-    noise = torch.randn(batch, 6, 32, generator=g).to(device)
-    refs = [torch.randn(1, 5, 32, generator=g).expand(batch, -1, -1).clone().to(device) for _ in range(n)]
-    txts = [torch.randn(1, 3, 32, generator=g).expand(batch, -1, -1).clone().to(device) for _ in range(n)]
+    noise = torch.randn(batch, 6, hidden, generator=g).to(device)
+    refs = [torch.randn(1, ref_tokens, hidden, generator=g).expand(batch, -1, -1).clone().to(device)
+            for _ in range(n)]
+    txts = [torch.randn(1, 3, hidden, generator=g).expand(batch, -1, -1).clone().to(device) for _ in range(n)]
     return noise, refs, txts
 
 
-def patched_tiny(mode, tmp_path, telemetry=None, store_factory=KVStore, device="cpu"):
-    """(the tiny DiT, its patcher after the pack's node in `mode`), cache files under `tmp_path`."""
-    dm = TinyDiT(device=device)
+def patched_tiny(mode, tmp_path, telemetry=None, store_factory=KVStore, device="cpu", **dit):
+    """(the tiny DiT, its patcher after the pack's node in `mode`), cache files under `tmp_path`; `dit`: the
+    DiT's widths (`TinyDiT`'s arguments)."""
+    dm = TinyDiT(device=device, **dit)
     host = HostServices(temp_dir=lambda: str(tmp_path))
     patched, _ = apply_offload(FakePatcher(dm), config_from_inputs(mode), host=lambda p: host,
                                store_factory=store_factory, telemetry=telemetry)
     return dm, patched
 
 
-def run_mode(mode, tmp_path, seed=0, cfg=None, batched=True, telemetry=None, fail_at=None, refs=None, device="cpu"):
-    """The latents the tiny DiT samples with the pack's node in `mode`."""
-    dm, patched = patched_tiny(mode, tmp_path, telemetry=telemetry, device=device)
-    noise, r, txts = inputs(seed, cfg is not None, device)
+def run_mode(mode, tmp_path, seed=0, cfg=None, batched=True, telemetry=None, fail_at=None, refs=None, device="cpu",
+             hidden=32, heads=2, ref_tokens=5):
+    """The latents the tiny DiT samples with the pack's node in `mode` (of `hidden` width in `heads` heads, with
+    a reference of `ref_tokens` tokens)."""
+    dm, patched = patched_tiny(mode, tmp_path, telemetry=telemetry, device=device, hidden=hidden, heads=heads)
+    noise, r, txts = inputs(seed, cfg is not None, device, hidden=hidden, ref_tokens=ref_tokens)
     return sample(dm, patched.options(), noise, refs or r, txts, cfg=cfg, batched=batched, fail_at=fail_at)
 
 

@@ -17,9 +17,9 @@ from patch_helpers import Recorder, inputs, no_files, run_mode
 LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
 
-def run_flux_kv_cache(seed=0, cfg=None, batched=True, device="cpu"):
-    dm = TinyDiT(device=device)
-    noise, refs, txts = inputs(seed, cfg is not None, device)
+def run_flux_kv_cache(seed=0, cfg=None, batched=True, device="cpu", hidden=32, heads=2, ref_tokens=5):
+    dm = TinyDiT(device=device, hidden=hidden, heads=heads)
+    noise, refs, txts = inputs(seed, cfg is not None, device, hidden=hidden, ref_tokens=ref_tokens)
     return sample(dm, {"transformer_options": FluxKVCacheReference().options()}, noise, refs, txts,
                   cfg=cfg, batched=batched)
 
@@ -34,6 +34,19 @@ def test_gpu_mode_matches_flux_kv_cache(tmp_path, cfg):
 @pytest.mark.parametrize("mode", LOSSLESS)
 def test_every_lossless_mode_matches_gpu(tmp_path, mode, cfg):
     assert torch.equal(run_mode(mode, tmp_path, cfg=cfg), run_mode("gpu", tmp_path, cfg=cfg))
+    assert no_files(tmp_path) == []
+
+
+REAL_SIZE = {"hidden": 512, "heads": 4, "ref_tokens": 1031}  # K and V of 2 MiB and 4 KiB each, per block
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async", "ram_sync"])
+def test_real_size_layers_match_flux_kv_cache(tmp_path, mode):
+    # Layers over 2 MiB, not a whole number of 2 MiB: the host buffers (the file tiers' slots among them) start
+    # at their first huge page inside the mapping, which a view must count from.
+    reference = run_flux_kv_cache(cfg=3.0, **REAL_SIZE)
+    ours = run_mode(mode, tmp_path, cfg=3.0, **REAL_SIZE)
+    assert torch.equal(ours, reference)
     assert no_files(tmp_path) == []
 
 
