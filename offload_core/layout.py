@@ -91,7 +91,7 @@ def views(flat: torch.Tensor, layout: LayerLayout, base: int = 0) -> Tuple[torch
     """K and V as views into the uint8 buffer `flat`, whose data section starts at byte `base`.
 
     Raises `ValueError` when the layer does not fit in `flat` from `base` (a slice would silently be shorter)."""
-    _check_fits(flat.numel(), layout, base)
+    check_fits(flat.numel(), layout, base)
     out = []
     for spec in layout.specs:
         start = base + spec.offset
@@ -133,7 +133,7 @@ def typed_views(buffer: TypedViews, layout: LayerLayout) -> Tuple[torch.Tensor, 
     For the tensors a `get` serves, made fresh every time (a consumer may change a view's shape in place), in
     as few torch calls as possible: each one releases the GIL and has to win it back from the I/O threads
     (figures in docs/benchmark.md, "Engine measurements")."""
-    _check_fits(buffer.nbytes, layout, 0)
+    check_fits(buffer.nbytes, layout, 0)
     out = []
     for spec in layout.specs:
         whole, first = buffer.of(spec.dtype)
@@ -149,7 +149,9 @@ def typed_views(buffer: TypedViews, layout: LayerLayout) -> Tuple[torch.Tensor, 
 CHECK_VIEWS = os.environ.get("KV_OFFLOAD_CHECK_VIEWS", "") == "1"
 
 
-def _check_fits(available: int, layout: LayerLayout, base: int) -> None:
+def check_fits(available: int, layout: LayerLayout, base: int) -> None:
+    """Raises `ValueError` unless the layer's data section fits in `available` bytes from byte `base`: before any
+    copy into a buffer, whose slices would otherwise silently come out shorter."""
     if base < 0 or base + layout.data_bytes > available:
         raise ValueError(f"KV offload: a layer of {layout.data_bytes} bytes from byte {base} does not fit in a "
                          f"buffer of {available} bytes; this is a bug in the store, please report it.")
@@ -185,6 +187,9 @@ def copy_range(dst: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch
     dimension), a contiguous one as one. The padding in the range is zeroed, so the bytes are the same for the
     same K and V whatever the buffer held before.
     """
+    if not 0 <= start <= end <= layout.data_bytes or dst.numel() < end - start:
+        raise ValueError(f"KV offload: bytes [{start}, {end}) of a layer of {layout.data_bytes} bytes do not fit in "
+                         f"a buffer of {dst.numel()} bytes; this is a bug in the store, please report it.")
     at = start
     for spec, t in zip(layout.specs, (k, v)):
         lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)

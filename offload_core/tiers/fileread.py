@@ -21,7 +21,7 @@ import torch
 
 from ..devices import DONE, Fence
 from ..hostmem import HostBuffer
-from ..layout import ALIGN
+from ..layout import ALIGN, check_fits
 from .base import Pending, TierContext
 from .fileio import (KVFileError, checksum_module, chunks, corrupted, digest, drop_pages, header_matches, open_checked,
                      pread_exact)
@@ -85,6 +85,7 @@ class Reader:
         # A host slot is filled chunk by chunk by the I/O threads as the chunks arrive, instead of in one copy
         # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
         # the side stream, ordered by fences.
+        check_fits(slot.numel(), entry.layout, 0)  # before any read: a memoryview slice would come out shorter
         direct = slot if self._host_slot(slot) else None
         # Loads into one slot never overlap: a later one starts filling it only once the earlier one is done.
         previous = self.filling.get(slot.data_ptr()) if direct is not None else None

@@ -14,7 +14,7 @@ import torch
 
 from ..devices import Fence, Streams
 from ..hostmem import HostBuffer
-from ..layout import LayerLayout, views
+from ..layout import LayerLayout, check_fits, views
 from ..places import PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
 
@@ -57,6 +57,7 @@ class RamTier(Tier):
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
         ctx = self._ctx
         buf, layout = self._layers[key]
+        check_fits(slot.numel(), layout, 0)  # a slice of a smaller slot would come out shorter
         side = ctx.streams.side
         with ctx.streams.on_side():
             release.make_wait(side)  # no-op without a side stream: the current stream is already in order

@@ -95,3 +95,28 @@ def test_a_view_outside_its_buffer_is_refused():
     with pytest.raises(AssertionError, match="other bytes"):
         lay.check_within(flat, wrong, layout, 0)
     assert lay.CHECK_VIEWS  # the tests run with every view's address checked (tests/conftest.py)
+
+
+def test_copy_range_refuses_a_range_its_buffer_cannot_hold():
+    from offload_core.layout import copy_range
+
+    k, v = torch.randn(3, 1000), torch.randn(3, 1000)
+    layout = layout_for(k, v)
+    with pytest.raises(ValueError, match="do not fit"):
+        copy_range(torch.zeros(4095, dtype=torch.uint8), layout, k, v, 0, 4096)  # a shorter slice, silently
+    with pytest.raises(ValueError, match="do not fit"):
+        copy_range(torch.zeros(layout.data_bytes + 4096, dtype=torch.uint8), layout, k, v, 0, layout.data_bytes + 1)
+
+
+@pytest.mark.parametrize("mode", ["ram_sync", "file_sync", "file_async"])
+def test_a_tier_refuses_to_load_into_a_slot_too_small(mode, tmp_path):
+    from offload_core import KVStore, OffloadConfig
+
+    k, v = torch.randn(2, 3000), torch.randn(2, 3000)
+    fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
+    with KVStore(OffloadConfig(mode=mode, **fields), "cpu") as store:
+        store.put(0, k, v)
+        tier = next(iter(store._tiers.values()))
+        with pytest.raises(ValueError, match="does not fit"):
+            tier.load(0, torch.zeros(4096, dtype=torch.uint8), store._res.ring.slots[0].release)
+        assert torch.equal(store.get(0)[0], k)  # the store serves on as before
