@@ -160,29 +160,19 @@ class Streams:
         event.record(stream)
         return Fence(event)
 
-    @contextlib.contextmanager
-    def timed(self, bucket: str, stream=None):
-        """Adds the duration of the enclosed work to `seconds[bucket]`: device time on `stream` with streams."""
-        if not self.streamed:
-            start = time.perf_counter()
-            try:
-                yield
-            finally:
-                with self._lock:
-                    self.seconds[bucket] += time.perf_counter() - start
-            return
-        stream = stream if stream is not None else self.api.current(self.device)
-        begin, end = self.api.event(self.device, timing=True), self.api.event(self.device, timing=True)
-        begin.record(stream)
-        try:
-            yield
-        finally:
-            end.record(stream)
-            with self._lock:
-                self._pending.append((begin, end, bucket))
-                crowded = len(self._pending) >= 64
-            if crowded:
-                self.resolve(block=False)
+    def timed(self, bucket: str, stream=None) -> "_Timed":
+        """Adds the duration of the enclosed work to `seconds[bucket]`: device time on `stream` with streams.
+
+        A plain class, not a generator context manager: it runs several times per `get`, and a generator's
+        set-up costs more than the work it times on a CPU."""
+        return _Timed(self, bucket, stream)
+
+    def _add_events(self, begin, end, bucket: str) -> None:
+        with self._lock:
+            self._pending.append((begin, end, bucket))
+            crowded = len(self._pending) >= 64
+        if crowded:
+            self.resolve(block=False)
 
     def resolve(self, block: bool = True) -> None:
         """Folds finished event timings into `seconds`; with `block`, waits for all of them."""
@@ -207,6 +197,36 @@ class Streams:
         self.synchronize()
         if self.asynchronous:
             self.api.current(self.device).synchronize()
+
+
+class _Timed:
+    """The context of `Streams.timed`: wall time without streams, a pair of timing events on the stream with them."""
+
+    __slots__ = ("streams", "bucket", "stream", "begin")
+
+    def __init__(self, streams: Streams, bucket: str, stream) -> None:
+        self.streams, self.bucket, self.stream = streams, bucket, stream
+
+    def __enter__(self) -> None:
+        streams = self.streams
+        if not streams.streamed:
+            self.begin = time.perf_counter()
+            return
+        if self.stream is None:
+            self.stream = streams.api.current(streams.device)
+        self.begin = streams.api.event(streams.device, timing=True)
+        self.begin.record(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        streams = self.streams
+        if not streams.streamed:
+            elapsed = time.perf_counter() - self.begin
+            with streams._lock:
+                streams.seconds[self.bucket] += elapsed
+            return
+        end = streams.api.event(streams.device, timing=True)
+        end.record(self.stream)
+        streams._add_events(self.begin, end, self.bucket)
 
 
 def open_streams(device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None) -> Streams:

@@ -72,6 +72,9 @@ class Pending:
                 raise
 
 
+LOADED = Pending()  # a load that finished on return (shared: a pending with no future never changes)
+
+
 def _raised_by(future: Optional[Future], exc: BaseException) -> bool:
     return future is not None and future.done() and not future.cancelled() and future.exception(0) is exc
 

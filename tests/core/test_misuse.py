@@ -234,3 +234,22 @@ def test_a_session_closes_every_branch_even_when_one_close_is_interrupted():
     with pytest.raises(KeyboardInterrupt):
         session.end_request(raise_errors=False)
     assert cond.closed and uncond.closed and session.live_stores == []
+
+
+@pytest.mark.parametrize("context", ["plain", "no_grad", "inference_mode"])
+def test_engine_calls_run_outside_inference_mode_and_autograd_whatever_the_caller_is_in(context):
+    # Buffers the engine makes must be ordinary tensors (its I/O threads write them in place) and no graph may be
+    # recorded; the caller's own modes are back as they were afterwards.
+    import contextlib
+
+    from offload_core.guards import engine_mode
+
+    @engine_mode
+    def inside():
+        return torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.empty(1).is_inference()
+
+    enter = {"plain": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
+    with enter[context]():
+        before = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        assert inside() == (False, False, False)
+        assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == before
