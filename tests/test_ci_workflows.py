@@ -30,3 +30,17 @@ def test_the_registry_is_published_on_a_version_bump_only():
     publish = _workflow("publish.yml")
     on = publish.get("on", publish.get(True))  # YAML 1.1 reads a bare `on` as True
     assert on["push"]["paths"] == ["pyproject.toml"]
+
+
+def test_the_test_command_says_the_lint_ran_and_ends_with_pytests_summary():
+    import shutil
+    import subprocess
+
+    done = subprocess.run(["bash", "scripts/test.sh", "-q", "-p", "no:cacheprovider", "tests/test_release.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"^\d+ passed", lines[-1]), lines[-3:]  # pytest's summary closes the output
+    assert any(re.match(r"test\.sh: (actionlint ran on \d+ workflows|SKIPPED actionlint)", x) for x in lines)
+    if shutil.which("node"):
+        assert any(re.match(r"test\.sh: node --test tests/web .*pass \d+ fail 0", x) for x in lines), lines
