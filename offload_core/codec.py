@@ -10,11 +10,16 @@ float32 temporaries stay small next to the layer.
 Lossy by design: `exact` (no codec) stays the default, and the error of every lossy layer is measured and
 reported (`stats()["kv_error"]`; typical figures in docs/benchmark.md, "Engine measurements").
 
-Non-finite values: an absmax scale cannot hold a NaN or an inf (one would make its whole vector NaN, or be
-flushed to a finite number), and neither format has room to mark single elements without slowing every
-decode. `finite` says from the scales alone (no pass over the data) whether an encoding is faithful; the
-store keeps a layer that is not exactly as put instead (see `KVStore.put`), so such values neither spread
-to their neighbours nor vanish. `error` works in units of each vector's scale, so its sums stay in float32
+What a codec cannot hold is kept exact (`Compact.encode`), so that no finite input ever decodes to a
+non-finite value and no layer comes back far from what was put:
+- NaN or inf: an absmax scale cannot hold one (it would make its whole vector NaN, or be flushed to a finite
+  number), and neither format has room to mark single elements without slowing every decode;
+- a vector that would decode past its dtype's range (float32's largest value: max / 127 * 127 rounds to inf);
+  `holds` sees both from the scales alone, no pass over the data;
+- a layer whose relative error passes `MAX_RELATIVE` (values below float32's normal range, where every scale
+  is floored at `TINY` and int8 rounds them all to 0).
+So such values neither spread to their neighbours nor vanish; `stats()["kv_error"]` counts the layers kept
+exact and why, and names the worst encoded layer beside the aggregate. `error` works in units of each vector's scale, so its sums stay in float32
 range for any magnitude (no float64, which MPS lacks); `error_summary` turns them into plain floats.
 """
 
@@ -89,12 +94,17 @@ class Codec:
             dst[start:start + step].copy_(part)
 
 
-    def finite(self, encoded: torch.Tensor, shape: Tuple[int, ...]) -> torch.Tensor:
-        """A 0-dim bool tensor on the device: True when every value encoded from `shape` was finite (and within
-        float32 range), i.e. the encoding is faithful. Reads the scales only: an absmax is NaN or inf exactly
-        when its vector holds a NaN or an inf."""
-        rows, width = self._rows(tuple(shape))
-        return torch.isfinite(_views(encoded, rows, width, self.qdtype)[1]).all()
+    def holds(self, encoded: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A 0-dim bool tensor on the device: True when decoding `encoded` gives finite values of `x`'s dtype.
+
+        Reads the scales only: an absmax scale is NaN or inf exactly when its vector holds a NaN or an inf (or
+        is beyond float32's range), and a decoded value is at most `qmax * scale`, computed as `decode` computes
+        it, so a vector decodes within `x`'s dtype exactly when that product does (float32's largest value
+        divided by 127 and multiplied back rounds past it: such a vector would come back as inf)."""
+        rows, width = self._rows(tuple(x.shape))
+        scales = _views(encoded, rows, width, self.qdtype)[1]
+        top = torch.tensor(self.qmax, dtype=torch.float32, device=scales.device).mul(scales.amax() if rows else 0.0)
+        return torch.isfinite(scales).all() & (top <= torch.finfo(x.dtype).max)
 
     def error(self, x: torch.Tensor, encoded: torch.Tensor) -> torch.Tensor:
         """The error of `encoded` against `x`: a float32 tensor [S, M, E, N] on x's device (no host sync).
@@ -148,44 +158,67 @@ def error_summary(err: torch.Tensor) -> Dict[str, float]:
     return {"max_abs": worst * top, "relative": (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0}
 
 
+# A layer whose relative error (||x - x'|| / ||x|| over its K and V) would pass this is kept exact: the codec
+# cannot hold it (values below float32's normal range, where every scale is floored at TINY and the values round
+# to 0; an absmax that hides every other value of its vectors). Random data gives 2.6 % (fp8) and 0.7 % (int8).
+MAX_RELATIVE = 0.25
+_WHY = {"non_finite": "NaN or inf in K/V", "range": "values that would decode past the dtype's range",
+        "error": f"a relative error above {MAX_RELATIVE:g} (e.g. values below float32's normal range)"}
+
+
 class Compact:
     """A store's codec (None: exact storage) and what it measured over the layers put."""
 
     def __init__(self, codec: Optional[Codec], tag: str = ""):
         self.codec, self._tag = codec, tag
         self.total: Optional[torch.Tensor] = None  # `Codec.error` totals over every layer encoded
-        self.exact: Set[Hashable] = set()  # layers kept as put under a codec: they hold NaN or inf
+        self.exact: Set[Hashable] = set()  # layers kept as put under a codec: the codec cannot hold them
+        self.why: Dict[str, int] = {}  # layers kept exact, by cause (`_WHY`)
+        self.worst: Optional[Dict[str, object]] = None  # the encoded layer of the largest relative error
 
     def coded(self, key: Hashable) -> bool:
-        """Layer `key` is kept encoded (a codec, and finite K/V): `get` decodes it into a slot."""
+        """Layer `key` is kept encoded (a codec the layer fits): `get` decodes it into a slot."""
         return self.codec is not None and key not in self.exact
 
     def encode(self, key: Hashable, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """K and V as the store keeps them: quantised on the device, before any byte moves, and the error
-        measured; or, where they hold a NaN or an inf, as put (`key` joins `exact`). `k` and `v` are only read."""
+        measured; or, where the codec cannot hold them (NaN or inf, values that would decode past the dtype's
+        range, an error above `MAX_RELATIVE`), as put (`key` joins `exact`). `k` and `v` are only read."""
         codec = self.codec
         ek, ev = codec.encode(k), codec.encode(v)
+        err = add_error(codec.error(k, ek), codec.error(v, ev))
         # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
-        # waits for this layer's encode before it queues the next layer. Reads the scales only, not the data.
-        if not bool(codec.finite(ek, k.shape) & codec.finite(ev, v.shape)):
+        # waits for this layer's encode before it queues the next layer.
+        held = codec.holds(ek, k) & codec.holds(ev, v)
+        held, top, worst, sq_err, sq_ref = torch.cat([held.reshape(1).float(), err]).tolist()
+        relative = (sq_err / sq_ref) ** 0.5 if sq_ref > 0 else 0.0
+        cause = None if held else "non_finite" if not bool(torch.isfinite(k).all() & torch.isfinite(v).all()) \
+            else "range"
+        if cause is None and not relative <= MAX_RELATIVE:
+            cause = "error"
+        if cause is not None:
             if not self.exact:
-                log.warning("%s: layer %r holds NaN or inf, which storage %r cannot hold; this layer (and any other "
-                            "such) is kept exact, see stats()['kv_error']", self._tag, key, codec.name)
+                log.warning("%s: layer %r holds %s, which storage %r cannot hold; this layer (and any other such) "
+                            "is kept exact, see stats()['kv_error']", self._tag, key, _WHY[cause], codec.name)
             self.exact.add(key)
+            self.why[cause] = self.why.get(cause, 0) + 1
             return k, v
-        for err in (codec.error(k, ek), codec.error(v, ev)):
-            self.total = err if self.total is None else add_error(self.total, err)
+        self.total = err if self.total is None else add_error(self.total, err)
+        if self.worst is None or relative > self.worst["relative"]:
+            self.worst = {"layer": repr(key)[:200], "relative": relative, "max_abs": worst * top}
         return ek, ev
 
     def summary(self) -> Optional[Dict[str, object]]:
         """Max absolute and relative error (‖x − x'‖ / ‖x‖) over the layers encoded, finite for any magnitude,
-        and the count of layers kept exact and why; None for exact storage."""
+        the worst layer's, and the count of layers kept exact and why; None for exact storage."""
         if self.codec is None:
             return None
         out: Dict[str, object] = dict(error_summary(self.total)) if self.total is not None else \
             {"max_abs": 0.0, "relative": 0.0}  # one host sync, lossy storage only
+        out["worst"] = dict(self.worst) if self.worst is not None else None
         out["exact_layers"] = len(self.exact)
-        out["exact_why"] = f"NaN or inf in K/V, which {self.codec.name} cannot hold" if self.exact else None
+        out["exact_why"] = "; ".join(f"{n} with {_WHY[c]}" for c, n in self.why.items()) + \
+            f", which {self.codec.name} cannot hold" if self.exact else None
         return out
 
 

@@ -159,7 +159,11 @@ def test_compact_storage_halves_bytes_everywhere_and_places_agree(storage, tmp_p
     assert 0 < error["relative"] <= bound and 0 < error["max_abs"] < 1
     worst = max((k.float() - k0.float()).abs().max().item() for (k, _), (k0, _) in zip(gpu_served[-1], layers.values()))
     assert worst <= error["max_abs"]
-    assert results["ram"][1]["kv_error"] == pytest.approx(error)
+    assert error["worst"]["relative"] >= error["relative"] * (1 - 1e-6)  # the worst layer, beside the aggregate
+    ram_error = dict(results["ram"][1]["kv_error"])
+    assert ram_error.pop("worst") == {**error["worst"], "relative": pytest.approx(error["worst"]["relative"]),
+                                      "max_abs": pytest.approx(error["worst"]["max_abs"])}
+    assert ram_error == pytest.approx({key: value for key, value in error.items() if key != "worst"})
     for name, (served, _) in results.items():
         for out in served:  # the codec is deterministic: every place serves the same decoded values
             for (k, v), (gk, gv) in zip(out, gpu_served[-1]):
