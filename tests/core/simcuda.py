@@ -253,9 +253,13 @@ class SimCuda:
             return next((b for b in self._blocks if b.ptr <= ptr < b.ptr + max(b.nbytes, 1)), None)
 
     def host_buffer_of(self, t: torch.Tensor):
+        """The live host buffer of the store's allocator that holds `t`, if any. A released one is passed over:
+        its address range may since hold memory of torch's own allocator (an encoded layer, a temporary),
+        which an operation queued now reads as any other tensor, not as the released buffer."""
         ptr = t.data_ptr()
         with self.lock:
-            return next((b for b, start, end in reversed(self._host) if start <= ptr < end), None)
+            return next((b for b, start, end in reversed(self._host) if start <= ptr < end and b.tensor is not None),
+                        None)
 
     def track_host_buffer(self, buf) -> None:
         if buf.tensor is None or not buf.nbytes:
