@@ -20,6 +20,7 @@ from typing import Tuple
 
 import torch
 
+from . import devices
 from .layout import LayerLayout, layout_for
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integers, by element size
@@ -69,10 +70,10 @@ class RowDedup:
         return k[:1], v[:1], rows
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> bool:
-        if k.device.type == "cuda":
-            # The comparison returns to the host, so it waits for everything queued before it anyway: wait for
-            # that first, so the time measured is the check's own, not the model's.
-            torch.cuda.current_stream(k.device).synchronize()
+        # The comparison returns to the host, so it waits for everything queued before it anyway (the kernels
+        # that produced `k` and `v`): wait for that first, so that the time measured is the check's own, not
+        # the model's, and so that the host reads the rows only once they are written.
+        devices.wait_for_device(k.device)
         start = time.perf_counter()
         try:
             return identical_rows(k) and identical_rows(v)

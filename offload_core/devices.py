@@ -229,6 +229,14 @@ class _Timed:
         streams._add_events(self.begin, end, self.bucket)
 
 
+def wait_for_device(device: torch.device) -> None:
+    """Blocks the host until the work queued so far on `device`'s current stream has run; nothing on a device
+    without streams (CPU, MPS), where every operation has run by the time it returns. Replaced by the tests'
+    model of CUDA ordering, whose queued work would otherwise never be waited for."""
+    if device.type in STREAM_DEVICES:
+        GENERIC.current(device).synchronize()
+
+
 def open_streams(device: torch.device, asynchronous: bool, stream_fn: Optional[Callable] = None) -> Streams:
     """The `Streams` of a new store: the one seam through which tests run stores on a model of CUDA ordering."""
     return streams_factory(device, asynchronous, stream_fn)

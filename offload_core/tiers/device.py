@@ -43,9 +43,10 @@ class DeviceTier(Tier):
         return k, v
 
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
-        # On the consumer's stream, after `release`: the copy never overwrites what its kernels still read.
+        # On the consumer's stream, so after `release` without waiting for it: a slot's release fence is always
+        # recorded on the consumer's stream (`SlotRing.release_current`, `SlotRing._fit`), and work queued on one
+        # stream runs in order. The copy never overwrites what the consumer's kernels still read.
         k, v = self.view(key)
-        release.make_wait(self._streams.consumer())
         dst_k, dst_v = views(slot, self._layers[key][3])
         self._streams.copy(dst_k, k)
         self._streams.copy(dst_v, v)

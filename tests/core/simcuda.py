@@ -204,6 +204,11 @@ class SimCuda:
         if not unmapped:
             fn(*[h.get() for h in handles])
 
+    def wait_current(self, device=None) -> None:
+        """`devices.wait_for_device`: the host waits for everything queued on the current stream."""
+        stream = self.current()
+        self.run(stream, len(stream.ops))
+
     def synchronize(self) -> None:
         """A device-wide host sync: every stream runs everything queued."""
         with self.lock:
@@ -276,6 +281,7 @@ class SimCuda:
     def install(self, monkeypatch) -> "SimCuda":
         """Makes every store created from now on (until `monkeypatch` undoes it) run on this model."""
         monkeypatch.setattr(devices, "streams_factory", self.streams)
+        monkeypatch.setattr(devices, "wait_for_device", self.wait_current)
         monkeypatch.setattr(hostmem, "_cuda_register", lambda tensor: True)
         monkeypatch.setattr(hostmem, "_cuda_unregister", lambda tensor: None)
         alloc = hostmem.HostAllocator.alloc

@@ -158,3 +158,24 @@ def test_a_failed_read_is_retried_by_the_next_get_not_remembered(tmp_path, monke
             store.get(2)
         k, v = store.get(2)
         assert torch.equal(k, layers[2][0]) and torch.equal(v, layers[2][1])
+
+
+@pytest.mark.parametrize("differ", [False, True], ids=["rows_equal", "rows_differ"])
+def test_the_dedup_check_reads_rows_only_once_the_kernels_writing_them_ran(make_sim, differ):
+    # Guards `devices.wait_for_device` in `RowDedup._check`: the comparison reads the rows on the host, and the
+    # producer's kernels that write them are still queued (the consumer's stream lags in this schedule).
+    sim = make_sim("early")
+    row = torch.randn(1, 5, 2, 8)
+    with KVStore(OffloadConfig(mode="ram_sync"), "cpu") as store:
+        k, v = torch.zeros(3, 5, 2, 8), torch.zeros(3, 5, 2, 8)
+        sim.launch(lambda k, v: (k.copy_(row.expand_as(k)), v.copy_(row.expand_as(v)),
+                                 k[2].add_(1.0) if differ else None), k, v)
+        store.put(0, k, v)
+        sim.synchronize()
+        want = (row.expand(3, 5, 2, 8).clone(), row.expand(3, 5, 2, 8).clone())
+        if differ:
+            want[0][2].add_(1.0)
+        got = read_back(sim, store, [0])
+        assert torch.equal(got[0][1], want[0]) and torch.equal(got[0][2], want[1])
+        assert store.stats()["dedup"]["layers"] == (0 if differ else 1)
+
