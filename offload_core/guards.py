@@ -5,10 +5,46 @@ and layer pairs. Each raises before anything is allocated, naming the value, the
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from typing import Hashable, Optional
 
 import torch
+
+# Forks this process descends from: 0 in the process that imported the engine, one more in each forked child.
+# A store records it when made (`Owner`), so a child's use of a store it inherited is one int comparison away.
+_generation = 0
+
+
+def _forked() -> None:
+    global _generation
+    _generation += 1
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=_forked)
+
+
+class Owner:
+    """The process that made a store. A forked child (multiprocessing's default start on Linux before Python
+    3.14) inherits the store's memory, open files and locks but not its I/O threads: it must neither use the
+    store nor close it, which would delete or unlock what the parent still uses."""
+
+    __slots__ = ("pid", "generation")
+
+    def __init__(self) -> None:
+        self.pid, self.generation = os.getpid(), _generation
+
+    @property
+    def here(self) -> bool:
+        return self.generation == _generation
+
+    def check(self, what: str, store: str) -> None:
+        if self.generation != _generation:
+            raise RuntimeError(
+                f"KVStore.{what}: store {store!r} belongs to process {self.pid}, which made it; this is a forked "
+                f"child (pid {os.getpid()}), which shares the store's files and buffers but not its I/O threads. "
+                "Create a new store in the child, or start it with multiprocessing's 'spawn' method.")
 
 
 def engine_mode(method):
@@ -41,6 +77,8 @@ def one_consumer(method):
     """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
+        if self._owner.generation != _generation:  # a forked child: nothing of the parent's is touched
+            self._owner.check(method.__name__, self.name)
         self._consumer.claim(method.__name__, self.name)
         with self._busy:
             return method(self, *args, **kwargs)

@@ -16,6 +16,7 @@ import torch
 
 from .config import HostServices, OffloadConfig
 from .devices import open_streams
+from .guards import Owner
 from .hostfacts import host_dir
 from .hostmem import HostAllocator
 from .layers import Layers
@@ -27,8 +28,13 @@ from .tiers.registry import PlaceOptions, close_tiers, open_tier
 log = logging.getLogger(__name__)
 
 
+def _close_in_owner(owner: Owner, tiers: Dict[str, Tier], streams) -> None:
+    if owner.here:
+        close_tiers(tiers, streams)
+
+
 class StoreResources:
-    def __init__(self, owner: object, config: OffloadConfig, host: HostServices, device: torch.device,
+    def __init__(self, store: object, owner: Owner, config: OffloadConfig, host: HostServices, device: torch.device,
                  asynchronous: bool, tiers: Dict[str, Tier], layers: Layers, order: LayerOrder, stats: StoreStats):
         self._config, self._host, self._stats = config, host, stats
         self.depth = config.depth if asynchronous else 0
@@ -42,8 +48,9 @@ class StoreResources:
         self._ctx = TierContext(device, self.streams, self.allocator, self.depth)
         self.ring = SlotRing(self.depth, self.streams, tiers, layers, order, stats)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
-        # dict itself, so tiers opened later are closed too.
-        self._finalizer = weakref.finalize(owner, close_tiers, tiers, self.streams)
+        # dict itself, so tiers opened later are closed too; in a forked child (garbage collection, interpreter
+        # exit) it does nothing: the files and buffers are the parent's.
+        self._finalizer = weakref.finalize(store, _close_in_owner, owner, tiers, self.streams)
 
     def tier(self, place: str) -> Tier:
         """The tier of `place`, opened at the first layer placed there."""

@@ -241,7 +241,8 @@ def _close_quietly(store) -> None:
 
 
 def _close_entries(lru: "OrderedDict[int, Entry]") -> None:
-    # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included.
+    # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included
+    # (in a forked child, `KVStore.close` touches nothing of the parent's).
     for entry in list(lru.values()):
         _close_quietly(entry.store)
     lru.clear()

@@ -25,7 +25,7 @@ from .codec import Compact, codec_for
 from .config import HostServices, Mode, OffloadConfig
 from .dedup import RowDedup, served_layout
 from .devices import unified_memory_reason
-from .guards import Consumer, check_device, check_pair, engine_mode, one_consumer
+from .guards import Consumer, Owner, check_device, check_pair, engine_mode, one_consumer
 from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from .hostmem import pin_room
 from .layout import LayerLayout, layout_for
@@ -76,7 +76,7 @@ class KVStore:
         self._used = dict.fromkeys(BUDGET_PLACES, 0)  # bytes as kept, per budget place (the plan's caps)
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
-        self._consumer, self._busy = Consumer(), threading.RLock()
+        self._consumer, self._busy, self._owner = Consumer(), threading.RLock(), Owner()
         self.closed = False
         self.depth = 0
         self.sealed = False  # set by park(): complete and read-only
@@ -94,7 +94,7 @@ class KVStore:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def _open_schedule(self, asynchronous: bool) -> None:
-        self._res = StoreResources(self, self.config, self._host, self.device, asynchronous, self._tiers,
+        self._res = StoreResources(self, self._owner, self.config, self._host, self.device, asynchronous, self._tiers,
                                    self._layers, self._order, self._stats)
         self.depth = self._res.depth
 
@@ -128,8 +128,12 @@ class KVStore:
     def close(self) -> None:
         """Finishes or cancels outstanding transfers, then frees every buffer and deletes every file.
 
-        Idempotent; runs the same on normal completion, interruption and exceptions.
+        Idempotent; runs the same on normal completion, interruption and exceptions. In a forked child it only
+        marks the child's copy closed: the files, buffers and locks are the parent's (see `guards.Owner`).
         """
+        if not self._owner.here:
+            self.closed = True
+            return
         with self._busy:
             self._close()
 
@@ -203,6 +207,7 @@ class KVStore:
         """Waits until every layer put so far is in its place (on disk, for the file modes); raises the first
         error storing one (`KVWriteError` for a full disk). Never needed for correctness: a `get` waits for its
         own layer. For measuring, and for a caller that wants write errors at a point of its choosing."""
+        self._owner.check("flush", self.name)
         self._check_open("flush")
         for tier in list(self._tiers.values()):
             tier.flush()
@@ -217,6 +222,7 @@ class KVStore:
         first park waits for the file writes and raises a failed one (`KVWriteError`), leaving the store as it
         was.
         """
+        self._owner.check("park", self.name)
         with self._busy:
             if self.closed or self._res is None:
                 return

@@ -20,6 +20,7 @@ import os
 import stat
 import tempfile
 import time
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 from . import fileos
@@ -141,6 +142,26 @@ def _delete_logged(path: str, what: str, remove=remove_tree) -> None:
         log.info("KV offload: reclaimed %s: %s", what, path)
 
 
+_OPEN: "weakref.WeakSet[OwnedDir]" = weakref.WeakSet()  # the directories this process owns and holds locked
+
+
+def _forget_in_child() -> None:
+    """A forked child closes its copies of the lock descriptors: the parent's `flock` stays (it is released by an
+    unlock through any copy, or once every copy is closed), and a child that outlives its parent no longer keeps
+    the parent's directory locked, so the next store reclaims it."""
+    for owned in list(_OPEN):
+        fd, owned._fd = owned._fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 class OwnedDir:
     """A fresh private directory under `parent`, locked for as long as this object is open."""
 
@@ -157,6 +178,7 @@ class OwnedDir:
                 log.warning("KV offload: cannot lock a cache directory in %s; if this process dies, its cache files "
                             "there are not reclaimed automatically.", parent)
             fs.os.write(self._fd, f"{os.getpid()}\n".encode())
+            _OPEN.add(self)
             self.path = made
             if staged:
                 self.path = os.path.join(parent, prefix + os.path.basename(made)[len(_staging_prefix(prefix)):])
