@@ -6,7 +6,36 @@ Each command is a module with a `main(argv) -> int`; a new command registers its
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
+import threading
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised in the main thread as an interrupt: every cleanup a Ctrl-C runs runs for it too
+    (stores closed, their files and folders deleted), instead of the process dying with its files left."""
+
+
+def _terminate(signum, frame):
+    raise Terminated(signal.Signals(signum).name)
+
+
+def run_interruptible(fn, *args) -> int:
+    """`fn(*args)`, with SIGTERM and SIGHUP turned into `Terminated` meanwhile; an interrupt of any kind is one
+    line on stderr and the shell's status for it (130 for Ctrl-C, 128 + the signal's number otherwise)."""
+    signals = [s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s is not None]
+    if threading.current_thread() is not threading.main_thread():
+        signals = []  # only the main thread may set handlers (a program calling main() from a thread of its own)
+    previous = {s: signal.signal(s, _terminate) for s in signals}
+    try:
+        return fn(*args) or 0
+    except KeyboardInterrupt as exc:
+        number = getattr(signal, str(exc), None) if isinstance(exc, Terminated) else signal.SIGINT
+        print(f"python -m offload_core: interrupted ({signal.Signals(number).name}); cleaned up.", file=sys.stderr)
+        return 128 + int(number)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 # name -> (module, one line for the help). Modules are imported only when their command runs.
 COMMANDS = {
@@ -47,7 +76,7 @@ def main(argv=None) -> int:
               "(python -m offload_core --help lists them).", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[command][0])
-    return module.main(argv) or 0
+    return run_interruptible(module.main, argv)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,36 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
-def at_least(parser: argparse.ArgumentParser, option: str, value, low, why: str = "") -> None:
-    """`value` of `option` is >= `low`, else a usage error (`why`: the sentence after the rule)."""
-    if not value >= low:  # also refuses nan
+def at_least(parser: argparse.ArgumentParser, option: str, value, low, why: str = "", high=None) -> None:
+    """`value` of `option` is >= `low` (and <= `high`, if given), else a usage error (`why`: the sentence after
+    the rule). The upper bounds are far past any real run: a value beyond them is a typo that would otherwise
+    run for hours or fail halfway for want of memory."""
+    if high is not None and not low <= value <= high:  # also refuses nan
+        parser.error(f"{option} must be between {low} and {high}; got {value}.{' ' + why if why else ''}")
+    if not value >= low:
         parser.error(f"{option} must be >= {low}; got {value}.{' ' + why if why else ''}")
+
+
+def room(parser: argparse.ArgumentParser, what: str, nbytes: int, *, ram: int = 0, disk_in: Optional[str] = None,
+         disk: int = 0) -> None:
+    """The run's `ram` bytes fit in the RAM available now and its `disk` bytes on the disk of `disk_in`, else a
+    usage error naming `what` (the options that size the run), the figures and the fix: refused before anything
+    is allocated, instead of failing (or swapping) halfway."""
+    import shutil
+
+    import psutil
+
+    free_ram = psutil.virtual_memory().available
+    if ram > free_ram:
+        parser.error(f"{what} needs about {_gib(ram)} of RAM ({_gib(nbytes)} of K/V, several copies at once); "
+                     f"{_gib(free_ram)} is available. Pick fewer or smaller layers.")
+    if disk_in is not None and disk > shutil.disk_usage(disk_in).free:
+        parser.error(f"{what} needs about {_gib(disk)} of disk in {disk_in}; {_gib(shutil.disk_usage(disk_in).free)} "
+                     "is free there. Pick fewer or smaller layers, or another folder.")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def output_file(parser: argparse.ArgumentParser, option: str, path: Optional[str]) -> None:

@@ -7,6 +7,8 @@ exits 1 when any row fails either check.
 
 from __future__ import annotations
 
+import tempfile
+
 from . import cliargs
 
 
@@ -18,11 +20,22 @@ def build_parser() -> cliargs.Parser:
     return p
 
 
+MAX_LAYERS = 10_000  # real models have 24 to 60; a round trip of more layers checks nothing more
+MAX_MIB = 4096  # one K of 4 GiB: past any real layer
+
+
 def check(args, parser) -> None:
-    if args.layers < 1:
-        parser.error(f"--layers must be >= 1; got {args.layers}. A round trip of no layers checks nothing.")
-    if not args.mib * 2**20 >= 2:  # one bfloat16 element (also refuses nan)
-        parser.error(f"--mib must be at least one bfloat16 element (2 bytes); got {args.mib}.")
+    if not 1 <= args.layers <= MAX_LAYERS:
+        parser.error(f"--layers must be between 1 and {MAX_LAYERS}; got {args.layers}. Real models have 24 to 60.")
+    if not 2 / 2**20 <= args.mib <= MAX_MIB:  # one bfloat16 element at least (also refuses nan and inf)
+        parser.error(f"--mib must be between one bfloat16 element (2 bytes, {2 / 2**20:.7f}) and {MAX_MIB}; "
+                     f"got {args.mib}.")
+    # Every layer lives in RAM on a CPU device (twice while a mode holds its copy, more for a moment), and on
+    # disk while a file mode runs.
+    total = args.layers * 2 * max(1, int(args.mib * 2**20) // 2) * 2
+    on_cpu = args.device in (None, "cpu") or str(args.device).startswith("cpu")
+    cliargs.room(parser, f"--layers {args.layers} --mib {args.mib:g}", total, ram=total * (3 if on_cpu else 1),
+                 disk_in=tempfile.gettempdir(), disk=total)
     args.device = cliargs.device(parser, args.device)
 
 

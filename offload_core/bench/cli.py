@@ -67,10 +67,10 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
                      "benchmarked at its own size).")
     if args.resolution is None:
         args.resolution = 1024 if args.size == "full" else 256
-    for name, low in (("steps", 2), ("runs", 1), ("images", 1)):
-        cliargs.at_least(parser, f"--{name}", getattr(args, name), low)
-    if args.resolution < 32 or args.resolution % 32:
-        parser.error(f"--resolution must be a multiple of 32 (>= 32); got {args.resolution}.")
+    for name, low, high in (("steps", 2, 1000), ("runs", 1, 100), ("images", 1, 16)):
+        cliargs.at_least(parser, f"--{name}", getattr(args, name), low, high=high)
+    if not 32 <= args.resolution <= 4096 or args.resolution % 32:
+        parser.error(f"--resolution must be a multiple of 32 from 32 to 4096; got {args.resolution}.")
     try:
         args.rows = select_rows(args.modes)
     except ValueError as exc:
@@ -78,7 +78,7 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
     if not args.rows:
         parser.error(f"--modes {args.modes!r} names no rows; give comma-separated row names, e.g. gpu,ram_async.")
     if args.threads is not None:
-        cliargs.at_least(parser, "--threads", args.threads, 1)
+        cliargs.at_least(parser, "--threads", args.threads, 1, high=1024)
     if args.model is not None:
         try:
             check_model_folder(args.model)

@@ -36,17 +36,17 @@ def check(args, parser: argparse.ArgumentParser) -> None:
         if value not in (None, False, parser.get_default(name)):
             parser.error(f"--{name} does not apply to --pose ({why}); drop --{name}.")
     args.frames = FRAMES if args.frames is None else args.frames
-    if args.frames < 1 or (args.frames - 1) % 4:
-        parser.error(f"--frames must be 4k + 1 (1, 5, ..., 81: Wan's VAE keeps one latent frame in 4); got "
-                     f"{args.frames}. Pick the nearest such length.")
+    if not 1 <= args.frames <= 1001 or (args.frames - 1) % 4:
+        parser.error(f"--frames must be 4k + 1 up to 1001 (1, 5, ..., 81: Wan's VAE keeps one latent frame in 4); "
+                     f"got {args.frames}. Pick the nearest such length.")
     args.windows = 1 if args.windows is None else args.windows
     latent = (args.frames - 1) // 4 + 1
     if not 1 <= args.windows <= min(MAX_WINDOWS, latent):
         parser.error(f"--windows must be between 1 and {min(MAX_WINDOWS, latent)} (at most {MAX_WINDOWS}, and no "
                      f"more than the {latent} latent frames of {args.frames} frames); got {args.windows}.")
-    cliargs.at_least(parser, "--runs", args.runs, 1)
+    cliargs.at_least(parser, "--runs", args.runs, 1, high=100)
     if args.threads is not None:
-        cliargs.at_least(parser, "--threads", args.threads, 1)
+        cliargs.at_least(parser, "--threads", args.threads, 1, high=1024)
     args.device = cliargs.device(parser, args.device)  # imports torch
     import torch
 

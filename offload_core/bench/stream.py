@@ -127,13 +127,13 @@ def run(args) -> Dict[str, object]:
     layer_bytes = args.layer_mib << 20
     total = (args.cache_mib // args.layer_mib) * layer_bytes
     base = args.dir or tempfile.gettempdir()
-    directory = tempfile.mkdtemp(prefix=".kv_offload-stream-", dir=base)
     k, v = _layer(layer_bytes, device)
     modes = args.tiers.split(",")
     tried = rawio.patterns(args.requests, args.depths)
     sweep_bytes = max(min(total, args.sweep_mib << 20) // max(args.requests) * max(args.requests), max(args.requests))
-    rounds = []
-    try:
+    rounds, directory = [], None
+    try:  # from the folder's birth on: an interrupt (Ctrl-C, SIGTERM) anywhere after it still deletes it
+        directory = tempfile.mkdtemp(prefix=".kv_offload-stream-", dir=base)
         for index in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
             limits = {"file": rawio.file_limits(directory, sweep_bytes, tried),
                       "ram_gib_s": rawio.ram_limit(layer_bytes)}
@@ -147,7 +147,8 @@ def run(args) -> Dict[str, object]:
             rows, limits["file"]["passes"] = _round(order, args, device, directory, k, v, total, limits["file"])
             rounds.append((limits, [rows[mode] for mode in modes]))
     finally:
-        fileowner.remove_tree(directory)
+        if directory is not None:
+            fileowner.remove_tree(directory)
     limits, rows = streamreport.combine(rounds, device)
     fs = fileio.ram_backed(base)
     return {"device": str(device), "directory": base, "filesystem_in_ram": fs, "cache_bytes": total,

@@ -72,6 +72,10 @@ def check(args, parser) -> None:
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir!r} is not an existing directory; create it first.")
     cliargs.output_folder(parser, "--dir", args.dir or tempfile.gettempdir())
+    cache, sweep = args.cache_mib << 20, args.sweep_mib << 20
+    # The RAM tiers hold the cache and its source layers at once; the file tiers and the raw sweep write theirs.
+    cliargs.room(parser, f"--cache-mib {args.cache_mib}", cache, ram=2 * cache, disk_in=args.dir or tempfile.gettempdir(),
+                 disk=cache + sweep)
     args.depths = _integers(parser, "--depths", args.depths, 1, 64, "1,2,4,8")
     args.requests = [mib << 20 for mib in _integers(parser, "--requests", args.requests, 1, 256, "4,8,16")]
     if not 1 <= args.sweep_mib <= 1 << 16:

@@ -50,12 +50,20 @@ class FileTier(Tier):
         self._owner = OwnedDir(parent_dir, "kv_offload-")
         self.directory = self._owner.path
         self._closed = False
-        try:
-            self.cache_mode = probe_page_cache_mode(self.directory, bypass)
-            self.ram_fs = ram_backed(self.directory)
+        self._chunks = self._hashes = None
+        self._lanes: Dict[str, IOPool] = {}
+        try:  # an interrupt (Ctrl-C, SIGTERM) while the tier is being made leaves no directory and no thread
+            self._open(ctx, bypass, asynchronous)
         except BaseException:
+            for pool in [*self._lanes.values(), self._chunks, self._hashes]:
+                if pool is not None:
+                    pool.shutdown(io_timeout())
             self._owner.delete()
             raise
+
+    def _open(self, ctx: TierContext, bypass: bool, asynchronous: bool) -> None:
+        self.cache_mode = probe_page_cache_mode(self.directory, bypass)
+        self.ram_fs = ram_backed(self.directory)
         self.note = None
         if self.ram_fs is not None:
             self.note = (f"{self.directory} is on {self.ram_fs}, which keeps files in RAM: the file tier saves no "
@@ -63,8 +71,8 @@ class FileTier(Tier):
             log.warning("KV offload: %s.", self.note)
         self._chunks = IOPool(IO_DEPTH, "kv_offload_io")
         self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
-        lanes = ("write", "read_start", "read_finish") if asynchronous else ("write",)
-        self._lanes = {name: IOPool(1, f"kv_offload_{name}") for name in lanes}
+        for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
+            self._lanes[name] = IOPool(1, f"kv_offload_{name}")
         self._files: Dict[Hashable, LayerFile] = {}
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address

@@ -170,9 +170,10 @@ class OwnedDir:
         fs = fileos.current()
         reclaim(parent, prefix)
         staged = fs.renames_open
-        made = tempfile.mkdtemp(prefix=_staging_prefix(prefix) if staged else prefix, dir=parent)
         self._fd: Optional[int] = None
+        made = None
         try:
+            made = tempfile.mkdtemp(prefix=_staging_prefix(prefix) if staged else prefix, dir=parent)
             self._fd = fs.os.open(os.path.join(made, LOCK_NAME), os.O_RDWR | os.O_CREAT | fs.open_flags, 0o600)
             if not self._lock(fs, bounded=not staged):  # e.g. a network filesystem without locks
                 log.warning("KV offload: cannot lock a cache directory in %s; if this process dies, its cache files "
@@ -185,7 +186,8 @@ class OwnedDir:
                 fs.os.rename(made, self.path)  # a live directory is never empty, so this cannot replace one
         except BaseException:
             self._unlock()
-            remove_tree(made)
+            if made is not None:
+                remove_tree(made)
             raise
 
     def _lock(self, fs, bounded: bool) -> bool:

@@ -83,6 +83,15 @@ def test_every_mode_is_bit_exact(comfy, model, cfg):
     assert comfy.kv_files() == []
 
 
+def test_real_size_layers_are_bit_exact_in_the_file_modes(comfy):
+    # A reference of 46 x 46 latent tokens: K and V of 2.07 MiB per block (2 heads of 128, float32), over 2 MiB and
+    # not a whole number of it, as real layers are; the file tiers' host slots then start inside their mapping.
+    baseline = run_latent(comfy, flux_kv="only", cfg=2.0, steps=2, size=46)
+    for mode in ("gpu", "file_sync", "file_async", "ram_sync"):
+        got = run_latent(comfy, mode=mode, cfg=2.0, steps=2, size=46)
+        assert got.equal(baseline), f"mode {mode} differs from ComfyUI's FluxKVCache at real layer sizes"
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_flux_kv_cache_in_the_graph_is_not_doubled(comfy, where):
     baseline = run_latent(comfy, flux_kv="only", cfg=2.0, ref_seed=11)

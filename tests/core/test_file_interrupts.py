@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from filestores import MODES, file_store, layers
+from offload_core import KVStore, OffloadConfig
 from offload_core.tiers import fileowner, iopool
+from store_helpers import make_layers
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -259,3 +261,26 @@ def test_ctrl_c_while_a_read_waits_for_the_earlier_read_into_its_slot_propagates
         assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("at", [1, 2, 3, 5])  # the I/O pool, the hash pool, then the lanes (file_async has three)
+def test_ctrl_c_while_a_file_tier_is_made_leaves_no_directory_or_thread(at, tmp_path, monkeypatch):
+    from offload_core.tiers import file as file_module
+
+    made, real = [], file_module.IOPool
+
+    def pool(*args, **kwargs):
+        if len(made) + 1 == at:
+            raise KeyboardInterrupt
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(file_module, "IOPool", pool)
+    before = {t.ident for t in threading.enumerate()}
+    store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
+    with pytest.raises(KeyboardInterrupt):
+        store.put(0, *make_layers([0], torch.float32)[0])
+    store.close()
+    assert os.listdir(tmp_path) == []
+    assert all(p._closed for p in made)
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
