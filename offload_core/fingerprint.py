@@ -10,7 +10,10 @@ A prefix key must cover everything that can change the prefix's K/V (DESIGN.md Â
   and instance state;
 - everything wrapped around the forward: torch forward hooks and pre-hooks on any module (global ones too),
   a replaced `forward`, active torch function / dispatch modes; and the torch numerics flags (TF32, reduced
-  precision reductions, SDPA backends, autocast).
+  precision reductions, SDPA backends, autocast);
+- the code the forward can reach (`codeprint.code_identity`): a patched class or processor, a replaced module
+  function or torch function, an attention backend registered under another function, an attribute holding
+  another function.
 
 It fails closed: whatever it cannot read as plain values (a user's hook, a processor holding an object, weights
 on the meta device) raises `Unkeyable` with the reason, and the caller turns reuse off for that request. Hooks
@@ -28,6 +31,7 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
+from .codeprint import code_identity
 from .contentdigest import content_digest
 
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
@@ -87,7 +91,7 @@ def model_state(module: torch.nn.Module, compute_device: torch.device,
     _check_placement(tensors, compute_device)
     tree, state_tensors = _module_tree(module, own)
     identity = (id(module), type(module).__qualname__, torch_state(compute_device),
-                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree)
+                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, code_identity(module))
     digest = content_digest([t for _, t in tensors] + state_tensors)
     return ModelState(identity, digest, time.perf_counter() - start)
 

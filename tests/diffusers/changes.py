@@ -7,6 +7,7 @@ returns the function that undoes it (restoring the exact bits). Each names the c
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -134,3 +135,82 @@ CHANGES = {
     "attention_backend": attention_backend_context,
     "tf32": tf32,
 }
+
+
+# -- code: what the forward reaches through a name at call time (issue 31) -------------------------------------
+def _patch(owner, name, wrap):
+    """Sets `owner.name` to `wrap(original)`; returns the undo (the original object put back)."""
+    original = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, wrap(original))
+    return lambda: setattr(owner, name, original)
+
+
+def class_forward(pipe):
+    """The `forward` of a module's class replaced (a class-level monkeypatch, as speed-up packages do)."""
+    cls = type(pipe.transformer.transformer_blocks[0].attn.norm_k)
+    return _patch(cls, "forward", lambda forward: lambda self, x: forward(self, x) * 1.01)
+
+
+def processor_call(pipe):
+    """The `__call__` of the attention processor's class replaced."""
+    cls = type(pipe.transformer.transformer_blocks[0].attn.processor)
+
+    def wrap(call):
+        @functools.wraps(call)  # diffusers reads the signature to pick the kwargs it passes
+        def scaled(self, *args, **kwargs):
+            out = call(self, *args, **kwargs)
+            return tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01
+        return scaled
+    return _patch(cls, "__call__", wrap)
+
+
+def native_backend(pipe):
+    """Another function registered under diffusers' `native` attention backend (what kernel packages do)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    backends, name = _AttentionBackendRegistry._backends, AttentionBackendName.NATIVE
+    original = backends[name]
+    backends[name] = lambda *args, **kwargs: original(*args, **kwargs) * 1.01
+    return lambda: backends.__setitem__(name, original)
+
+
+def torch_function(pipe):
+    """A torch function patched globally: `F.scaled_dot_product_attention`, which the native backend calls."""
+    return _patch(torch.nn.functional, "scaled_dot_product_attention",
+                  lambda sdpa: lambda *args, **kwargs: sdpa(*args, **kwargs) * 1.01)
+
+
+def function_attribute(pipe):
+    """A module attribute that holds a function changed (an activation `torch.sigmoid` -> `torch.tanh`): the
+    first feed-forward's activation module is a plain function for the whole change, then another one."""
+    ff = next(m for m in pipe.transformer.modules() if isinstance(getattr(m, "activation_fn", None) or
+                                                                   getattr(m, "gate_fn", None), torch.nn.SiLU))
+    name = "activation_fn" if isinstance(getattr(ff, "activation_fn", None), torch.nn.SiLU) else "gate_fn"
+    module = ff._modules.pop(name)
+    setattr(ff, name, torch.tanh)  # torch.nn.functional.silu was the original; tanh changes the image
+
+    def undo():
+        delattr(ff, name)
+        ff._modules[name] = module
+    return undo
+
+
+def module_function(pipe):
+    """A module-level function of the model's code replaced (its rotary embedding, which K goes through)."""
+    import sys
+
+    module = sys.modules[type(pipe.transformer).__module__]
+    name = next(n for n in ("apply_rotary_emb_qwen", "apply_rotary_emb") if n in vars(module))
+
+    def wrap(rotate):
+        @functools.wraps(rotate)
+        def scaled(*args, **kwargs):
+            out = rotate(*args, **kwargs)
+            return tuple(o * 1.01 for o in out) if isinstance(out, tuple) else out * 1.01
+        return scaled
+    return _patch(module, name, wrap)
+
+
+CHANGES.update({"class_forward": class_forward, "processor_call": processor_call, "native_backend": native_backend,
+                "torch_function": torch_function, "function_attribute": function_attribute,
+                "module_function": module_function})
