@@ -10,20 +10,25 @@ of functions), and, through a module it names (`F`, `torch`), the attributes of 
 functions of the project's own packages are followed further; torch's and the standard library's are recorded,
 not followed (a patch of them replaces the object a model's code names, which the identity shows).
 
-Identities are `id()`s, so every object recorded is kept alive here: an id is never handed to a new object
-while a key might still hold it. The walk reads dictionaries only (no call, no import): about a millisecond for
+Identities are serial numbers given to each object when first seen and held in weak dictionaries, so a new object
+at a dead one's address gets a new number and no model is kept alive by its key; objects that cannot be weakly
+referenced (builtin functions, code objects) are module-level and kept as they are. The walk reads dictionaries only (no call, no import): about a millisecond for
 a transformer of a few dozen classes, whatever the size of its weights.
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
 import types
+import weakref
 from typing import Dict, List, Set, Tuple
 
 import torch
 
-_KEEP: Dict[int, object] = {}  # id -> object, for every object an identity names (see the module docstring)
+_SERIALS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+_KEEP: Dict[int, Tuple[object, int]] = {}  # id -> (object, serial) for what cannot be weakly referenced
+_NEXT = itertools.count(1)
 _NAMES: Dict[int, Tuple[types.CodeType, Tuple[str, ...]]] = {}  # id(code) -> (code, every name it and its nested code use)
 _PLAIN = (bool, int, float, str, bytes, type(None))
 _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
@@ -40,7 +45,7 @@ def code_identity(model: torch.nn.Module) -> tuple:
         if processor is not None:
             walk.klass(type(processor))
         for name, value in vars(sub).items():
-            if not name.startswith("_") and _is_function(value):
+            if _is_function(value):
                 walk.record(("attribute", type(sub).__qualname__, name), value)
     return tuple(walk.out)
 
@@ -55,12 +60,24 @@ def _ident(value) -> tuple:
         return ("value", repr(value))
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
-    _KEEP[id(value)] = value
     code = getattr(value, "__code__", None)
     if code is not None:
-        _KEEP[id(code)] = code
-        return (type(value).__name__, getattr(value, "__qualname__", "?"), id(value), id(code))
-    return (type(value).__name__, getattr(value, "__qualname__", "?"), id(value))
+        return (type(value).__name__, getattr(value, "__qualname__", "?"), _serial(value), _serial(code))
+    return (type(value).__name__, getattr(value, "__qualname__", "?"), _serial(value))
+
+
+def _serial(value) -> int:
+    """The number of `value` (see the module docstring)."""
+    try:
+        number = _SERIALS.get(value)
+        if number is None:
+            number = _SERIALS[value] = next(_NEXT)
+        return number
+    except TypeError:  # not weakly referable, or not hashable
+        kept = _KEEP.get(id(value))
+        if kept is None or kept[0] is not value:
+            kept = _KEEP[id(value)] = (value, next(_NEXT))
+        return kept[1]
 
 
 def _package(value) -> str:

@@ -217,3 +217,20 @@ def test_a_lossy_fill_pass_reads_the_decoded_prefix_from_every_tier(mode, tmp_pa
 
     reference = queue(dm, patched_in("ram_sync", False), seed=1)
     assert torch.equal(queue(dm, patched_in(mode, True), seed=1), reference)
+
+
+def test_an_attention_function_swapped_between_two_queued_runs_is_a_miss_and_matches(monkeypatch):
+    # What attention-patching nodes do at run time: the function the model's code calls by name is another one.
+    import torch.nn.functional as F
+
+    dm = Tiny21()
+    m = patched(dm)
+    fills = Fills(dm, prefix_len=8)
+    queue(dm, m, seed=0)
+    kept = fills.count
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: sdpa(*a, **k) * 1.01)
+    swapped = own_cache(1)
+    assert torch.equal(queue(dm, m, seed=1), swapped) and fills.count == 2 * kept  # filled again
+    monkeypatch.undo()
+    assert torch.equal(queue(dm, m, seed=2), own_cache(2)) and fills.count == 2 * kept  # the first prefix again
