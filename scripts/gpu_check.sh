@@ -114,6 +114,9 @@ if [ "$with_diffusers" = 1 ]; then
         step "bench-$pipeline" 90 "$py" -m offload_core bench --size "$size" --pipeline "$pipeline" \
             --device "$device" --steps "$steps" --runs "$runs" --json "$out/bench-$pipeline.json" "$@"
     done
+    # The prefix reuse key at real size: reading 9B of weights and the model's code, against what a hit saves.
+    step reuse-key 60 "$py" -m offload_core bench --size "$size" --pipeline flux2 --device "$device" \
+        --steps "$steps" --runs 1 --modes ram_async,rerun --json "$out/reuse-key.json"
     for pipeline in qwen21 flux2; do  # identical batch rows kept once: batch 4 against 1, dedup on and off
         step "batch-$pipeline" 50 "$py" -m offload_core bench --batch --size "$size" --pipeline "$pipeline" \
             --device "$device" --steps "$steps" --runs 1 --json "$out/batch-$pipeline.json"

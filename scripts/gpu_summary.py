@@ -120,6 +120,26 @@ def bench_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
+def reuse_rows(folder: str, step: str, title: str) -> list:
+    """The prefix reuse key at real size: what reading the model cost, beside what the hit saved (issue 31)."""
+    rc = _rc(folder, step)
+    if rc is None:
+        return _not_run(folder, step, title)
+    try:
+        with open(os.path.join(folder, f"{step}.json")) as f:
+            rows = {r.get("key"): r for r in json.load(f).get("rows", [])}
+    except (OSError, ValueError):
+        status = NOTE if rc == 2 and "needs about" in _last_line(folder, step) else FAIL
+        return [(title, status, f"exit {rc}: {_last_line(folder, step)}")]
+    hit, base = rows.get("rerun"), rows.get("ram_async")
+    if rc != 0 or hit is None or base is None or hit.get("reuse_key_s") is None:
+        return [(title, FAIL, f"exit {rc}: no re-run row with its key time ({_last_line(folder, step)})")]
+    key, saved = hit["reuse_key_s"], base["latency_s"] - hit["latency_s"]
+    status = PASS if hit.get("reuse_hits") and saved > key else FAIL
+    return [(title, status, f"key {key * 1e3:.1f} ms per request; a hit {hit['latency_s']:.2f} s against "
+                            f"{base['latency_s']:.2f} s without reuse (saves {saved:.2f} s), hits {hit.get('reuse_hits')}")]
+
+
 def _family_rows(folder: str, step: str, title: str, field: str, flag: str, short_of_memory):
     """(rc, rows of `field` in the step's JSON) or (rc, [a summary row]) when there are none: a NOTE where the
     engine has no `flag` or the step refused for lack of memory (`short_of_memory(log)`), else a FAIL."""
@@ -186,6 +206,7 @@ STEPS = [
     (demo_row, "demo", "demo round trip, every tier"),
     (bench_rows, "bench-qwen21", "bench full Qwen-Image 2.1"),
     (bench_rows, "bench-flux2", "bench full FLUX.2 klein 9B"),
+    (reuse_rows, "reuse-key", "reuse key at 9B size, FLUX.2 klein"),
     (batch_rows, "batch-qwen21", "batch 4 vs 1, Qwen-Image 2.1"),
     (batch_rows, "batch-flux2", "batch 4 vs 1, FLUX.2 klein 9B"),
     (pose_rows, "pose", "pose cache, Wan 14B width"),

@@ -36,6 +36,12 @@ def bench_json(digests):
     return json.dumps({"v": 1, "rows": rows})
 
 
+def reuse_json(hit_s=1.0, key_s=0.02, hits=1):
+    rows = [{"key": "ram_async", "latency_s": 1.5}, {"key": "rerun", "latency_s": hit_s, "reuse_key_s": key_s,
+                                                      "reuse_hits": hits}]
+    return json.dumps({"v": 1, "rows": rows})
+
+
 @pytest.fixture
 def passing(tmp_path):
     write(tmp_path, "sanitizer", 0, xml=JUNIT.format(n=10, f=0, e=0))
@@ -43,6 +49,7 @@ def passing(tmp_path):
     write(tmp_path, "demo", 0, DEMO.format(exact="yes"))
     for name in ("bench-qwen21", "bench-flux2"):
         write(tmp_path, name, 0, json=bench_json({"none": ["b"], "gpu": ["a"], "ram_async": ["a"]}))
+    write(tmp_path, "reuse-key", 0, json=reuse_json())
     write(tmp_path, "stream", 2, "unknown command 'stream'; use 'bench' or 'demo'\n")
     return tmp_path
 
@@ -53,11 +60,13 @@ def test_everything_exact_passes_and_notes_what_is_absent(passing, capsys):
     assert "9 passed, 0 failed, 0 errors, 1 skipped" in out and "2 tiers, every one bit-exact" in out
     assert re.search(r"bench full Qwen-Image 2.1: ram_async +pass +1.50 s \(1.00x gpu\), peak device 3.0 GiB", out)
     assert "recomputed prefix: not required" in out and "not in this version" in out
+    assert re.search(r"reuse key at 9B size.*pass +key 20.0 ms per request; a hit 1.00 s against 1.50 s", out)
     assert "all checks passed" in out
 
 
 @pytest.mark.parametrize("breakage", ["failed test", "inexact demo", "inexact row", "unstable row", "crash",
-                                      "no report", "stream failed", "timeout", "nothing ran"])
+                                      "no report", "stream failed", "timeout", "nothing ran", "reuse key costs more",
+                                      "reuse no hit"])
 def test_any_failure_fails_the_check(passing, breakage, capsys):
     if breakage == "failed test":
         write(passing, "sanitizer", 1, xml=JUNIT.format(n=10, f=1, e=0))
@@ -73,6 +82,10 @@ def test_any_failure_fails_the_check(passing, breakage, capsys):
         write(passing, "tests", 4, "ERROR: usage\n")
     elif breakage == "stream failed":
         write(passing, "stream", 1, "ram_async: NOT exact\n")
+    elif breakage == "reuse key costs more":  # the key took longer than the hit saved
+        write(passing, "reuse-key", 0, json=reuse_json(hit_s=1.4, key_s=0.2))
+    elif breakage == "reuse no hit":
+        write(passing, "reuse-key", 0, json=reuse_json(hits=0))
     elif breakage == "nothing ran":  # every gpu test skipped: no CUDA after all
         write(passing, "tests", 0, xml=JUNIT.format(n=1, f=0, e=0))
     else:
