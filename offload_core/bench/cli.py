@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pose", action="store_true", help="instead of the mode table: Wan Animate 2's pose-branch cache "
                    "(Wan 14B's 40 blocks at 480x832, bf16; width 128, or 5120 with --size full) in gpu, RAM, files "
                    "and RAM under a budget that spills to files (see offload_core/bench/pose.py)")
+    p.add_argument("--overhead", action="store_true", help="instead of the mode table: the engine's own time per get "
+                   "outside its copy, in gpu, ram_sync and ram_async, tiny layers (see offload_core/bench/overhead.py)")
     p.add_argument("--frames", type=int, help="--pose: video frames, 4k + 1 (default 81)")
     p.add_argument("--windows", type=int, help="--pose: context windows, one store each (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
@@ -171,6 +173,9 @@ def run(args) -> tuple[list[dict], dict, str]:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.overhead and (args.pose or args.batch or args.modes or args.plot or args.model):
+        parser.error("--overhead measures its own rows (gpu, ram_sync, ram_async on tiny layers); drop --pose, "
+                     "--batch, --modes, --plot and --model.")
     if args.pose:
         from . import posecli
 
@@ -193,6 +198,10 @@ def main(argv=None) -> int:
             from . import batch
 
             return batch.main(args)
+        if args.overhead:
+            from . import overhead
+
+            return overhead.main(args)
         rows, hw, settings = run(args)
     finally:
         torch.set_num_threads(previous)
