@@ -86,16 +86,23 @@ def demo_row(folder: str, step: str, title: str) -> list:
     return [(title, PASS, f"{len(table)} tiers, every one bit-exact")]
 
 
-def bench_rows(folder: str, step: str, title: str) -> list:
+def _bench_json(folder: str, step: str, title: str):
+    """(exit status, the benchmark step's JSON), or (None, the rows that say why there is none)."""
     rc = _rc(folder, step)
     if rc is None:
-        return _not_run(folder, step, title)
+        return None, _not_run(folder, step, title)
     try:
         with open(os.path.join(folder, f"{step}.json")) as f:
-            data = json.load(f)
+            return rc, json.load(f)
     except (OSError, ValueError):
         status = NOTE if rc == 2 and "needs about" in _last_line(folder, step) else FAIL
-        return [(title, status, f"exit {rc}: {_last_line(folder, step)}")]
+        return None, [(title, status, f"exit {rc}: {_last_line(folder, step)}")]
+
+
+def bench_rows(folder: str, step: str, title: str) -> list:
+    rc, data = _bench_json(folder, step, title)
+    if rc is None:
+        return data
     rows = data.get("rows", [])
     reference = next((r.get("output_sha256") for r in rows if r.get("key") == "gpu"), None)
     out = [] if rc == 0 else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
@@ -122,15 +129,10 @@ def bench_rows(folder: str, step: str, title: str) -> list:
 
 def reuse_rows(folder: str, step: str, title: str) -> list:
     """The prefix reuse key at real size: what reading the model cost, beside what the hit saved (issue 31)."""
-    rc = _rc(folder, step)
+    rc, data = _bench_json(folder, step, title)
     if rc is None:
-        return _not_run(folder, step, title)
-    try:
-        with open(os.path.join(folder, f"{step}.json")) as f:
-            rows = {r.get("key"): r for r in json.load(f).get("rows", [])}
-    except (OSError, ValueError):
-        status = NOTE if rc == 2 and "needs about" in _last_line(folder, step) else FAIL
-        return [(title, status, f"exit {rc}: {_last_line(folder, step)}")]
+        return data
+    rows = {r.get("key"): r for r in data.get("rows", [])}
     hit, base = rows.get("rerun"), rows.get("ram_async")
     if rc != 0 or hit is None or base is None or hit.get("reuse_key_s") is None:
         return [(title, FAIL, f"exit {rc}: no re-run row with its key time ({_last_line(folder, step)})")]
