@@ -91,9 +91,18 @@ def model_state(module: torch.nn.Module, compute_device: torch.device,
     _check_placement(tensors, compute_device)
     tree, state_tensors = _module_tree(module, own)
     identity = (id(module), type(module).__qualname__, torch_state(compute_device),
-                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, code_identity(module))
+                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, _code(module))
     digest = content_digest([t for _, t in tensors] + state_tensors)
     return ModelState(identity, digest, time.perf_counter() - start)
+
+
+def _code(module: torch.nn.Module) -> tuple:
+    """`codeprint.code_identity`, failing closed: code it cannot read (an object that refuses to be hashed or
+    looked at) turns reuse off for the request instead of failing it."""
+    try:
+        return code_identity(module)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the code is a reason to refuse, never to crash
+        raise Unkeyable(f"the code its forward reaches could not be read ({type(exc).__name__}: {exc})") from exc
 
 
 def _check_placement(tensors, compute_device: torch.device) -> None:

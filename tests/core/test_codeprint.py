@@ -86,3 +86,18 @@ def test_a_function_s_code_replaced_in_place_is_seen():
         helper.__code__ = (lambda x: x).__code__
         return lambda: setattr(helper, "__code__", code)
     assert changes(apply) == (True, True)
+
+
+def test_code_it_cannot_read_turns_reuse_off_instead_of_failing_the_request(monkeypatch):
+    import pytest
+
+    from offload_core import codeprint
+    from offload_core.fingerprint import Unkeyable, model_state
+
+    def broken(model):
+        raise RuntimeError("a class that refuses to be looked at")
+
+    monkeypatch.setattr(codeprint, "code_identity", broken)
+    monkeypatch.setattr("offload_core.fingerprint.code_identity", broken)
+    with pytest.raises(Unkeyable, match="could not be read .RuntimeError: a class that refuses"):
+        model_state(Block(), torch.device("cpu"))
