@@ -111,6 +111,20 @@ def reclaim_leftovers() -> None:
         reclaim(root, "run-")
 
 
+_WARNED_QUERIES: set = set()  # the free-memory queries whose failure was said, once a process each
+
+
+def _query_failed(what: str, exc: Exception) -> None:
+    """A failed free-memory query changes the plan (`auto` counts that memory as unknown, so it keeps nothing
+    resident there): said once at WARNING, with the reason, not buried at DEBUG."""
+    if what not in _WARNED_QUERIES:
+        _WARNED_QUERIES.add(what)
+        log.warning("KV offload: ComfyUI's free-memory query for %s failed (%s: %s); mode auto plans as if that "
+                    "figure were unknown (nothing kept there on its account) until it answers again.", what,
+                    type(exc).__name__, exc)
+    log.debug("free-memory query for %s failed", what, exc_info=True)
+
+
 def comfy_host_services(patcher=None) -> HostServices:
     import comfy.model_management as mm
 
@@ -119,8 +133,8 @@ def comfy_host_services(patcher=None) -> HostServices:
             if patcher is not None and hasattr(patcher, "get_free_memory"):
                 return int(patcher.get_free_memory(device))
             return int(mm.get_free_memory(device))
-        except Exception:
-            log.debug("free-memory query failed", exc_info=True)
+        except Exception as exc:  # the plan goes on without the figure: said once (`_query_failed`)
+            _query_failed(str(device), exc)
             return None
 
     def free_host_memory():
@@ -128,8 +142,8 @@ def comfy_host_services(patcher=None) -> HostServices:
             import torch
 
             return int(mm.get_free_memory(torch.device("cpu")))
-        except Exception:
-            log.debug("free-memory query failed", exc_info=True)
+        except Exception as exc:
+            _query_failed("the host's RAM", exc)
             return None
 
     def pin(tensor) -> bool:

@@ -144,3 +144,22 @@ def test_only_dead_processes_runs_are_reclaimed_never_a_live_ones(monkeypatch, t
         live.stdin.close()
         live.wait(30)
         dead.wait(30)
+
+
+def test_a_failing_free_memory_query_is_said_once_at_warning(monkeypatch, tmp_path, caplog):
+    import logging
+
+    install(monkeypatch, tmp_path)
+    monkeypatch.setattr(host_mod, "_WARNED_QUERIES", set())
+
+    def broken(dev=None, torch_free_too=False):
+        raise RuntimeError("driver gone")
+
+    sys.modules["comfy.model_management"].get_free_memory = broken
+    services = host_mod.comfy_host_services()
+    with caplog.at_level(logging.WARNING, logger=host_mod.log.name):
+        for _ in range(3):
+            assert services.free_device_memory(torch.device("cpu")) is None
+            assert services.free_host_memory() is None
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 2 and all("RuntimeError: driver gone" in m and "mode auto plans" in m for m in said)
