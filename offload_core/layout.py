@@ -144,7 +144,7 @@ def typed_views(buffer: TypedViews, layout: LayerLayout) -> Tuple[torch.Tensor, 
 
 
 # Every view handed out is also checked against the buffer's address range (`check_within`): set by the tests
-# (tests/conftest.py) and by KV_OFFLOAD_CHECK_VIEWS=1. Off by default: `_check_fits`, always on, already proves
+# (tests/conftest.py) and by KV_OFFLOAD_CHECK_VIEWS=1. Off by default: `check_fits`, always on, already proves
 # the range from the sizes; this proves the address arithmetic too, at two address reads per view.
 CHECK_VIEWS = os.environ.get("KV_OFFLOAD_CHECK_VIEWS", "") == "1"
 
