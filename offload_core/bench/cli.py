@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import cliargs
@@ -52,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", type=int, help="--pose: video frames, 4k + 1 (default 81)")
     p.add_argument("--windows", type=int, help="--pose: context windows, one store each (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write every row and column to this JSON file")
-    p.add_argument("--plot", metavar="FILE", help="also save a PNG of latency against peak memory (matplotlib)")
+    p.add_argument("--plot", metavar="FILE", help="where to save the PNG of latency against peak memory, headed by "
+                   "the recommendation and its reasons (matplotlib; default: beside --json, else bench-out/bench.png)")
+    p.add_argument("--no-plot", action="store_true", help="save no plot")
     return p
 
 
@@ -99,6 +102,19 @@ def _check(args, parser: argparse.ArgumentParser) -> None:
         problem = fullsize.shortfall(args.pipeline, args.device, args.torch_dtype, args.images, args.resolution)
         if problem:
             parser.exit(2, problem + "\n")
+def default_plot(args, parser) -> str | None:
+    """The plot's path when none is given: beside the JSON (its name with .png), else bench-out/bench.png; its
+    folder made and the file proven writable now, after every other option passed. None without matplotlib
+    (said once: the table and the JSON are what matter)."""
+    if cliargs.missing("matplotlib"):
+        print("note: no plot (matplotlib is not installed; pip install matplotlib)", file=sys.stderr)
+        return None
+    path = os.path.splitext(args.json)[0] + ".png" if args.json else os.path.join("bench-out", "bench.png")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    cliargs.output_file(parser, "--plot", path)
+    return path
+
+
 def _progress(total: int):
     try:
         from tqdm.auto import tqdm
@@ -184,6 +200,10 @@ def main(argv=None) -> int:
     if args.batch and (args.modes or args.plot):
         parser.error("--batch measures its own rows (gpu, ram_async, file_async at batch 1 and 4); drop --modes "
                      "and --plot.")
+    if args.plot and args.no_plot:
+        parser.error("--plot and --no-plot contradict each other; drop one.")
+    if not (args.batch or args.overhead or args.no_plot or args.plot):
+        args.plot = default_plot(args, parser)
     import torch
 
     from . import hardware, report
@@ -218,6 +238,6 @@ def main(argv=None) -> int:
         from .plot import write_plot
 
         error = write_plot(args.plot, rows, verdict["headline"], str(args.device), footer=settings,
-                           recommended=verdict["evidence"], cautions=cautions)
+                           recommended=verdict["evidence"], cautions=cautions, reasons=verdict["why"])
         print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
     return 0

@@ -35,10 +35,10 @@ def _spread_sideways(xs: list[float]) -> list[float]:
 
 
 def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: str = "",
-               recommended: str | None = None, cautions: tuple = ()) -> str | None:
+               recommended: str | None = None, cautions: tuple = (), reasons: tuple = ()) -> str | None:
     """Save a PNG of median latency (with its range as error bars) against peak device memory, one series per
-    row, the Pareto front joined, the better corner marked, `cautions` under the headline. Returns an error
-    message or None."""
+    row, the Pareto front joined, the better corner marked, the recommendation's `reasons` and the `cautions`
+    under the headline. Returns an error message or None."""
     try:
         import matplotlib
 
@@ -69,9 +69,10 @@ def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: 
     # Lower-left is better on both axes: said in that corner (axes coordinates, wherever the data lies).
     ax.text(0.01, 0.01, "\u2199 better", transform=ax.transAxes, fontsize=10, color="green", fontweight="bold")
     fig.suptitle("\n".join(textwrap.wrap(headline, 90)), x=0.01, ha="left", fontsize=12, fontweight="bold")
-    caution = "\n".join(line for note in cautions for line in textwrap.wrap(f"Caution: {note}", 190))
+    why = [line for note in reasons for line in textwrap.wrap(f"Why: {note}", 170)]
+    caution = "\n".join(why + [line for note in cautions for line in textwrap.wrap(f"Caution: {note}", 190)])
     if caution:
-        fig.text(0.01, 0.93, caution, fontsize=6.5, color="darkred", va="top")
+        fig.text(0.01, 0.93, caution, fontsize=6.5, color="darkred" if cautions else "black", va="top")
     ax.grid(True, alpha=0.3)
     if footer:
         footer += "; rows at one memory figure are drawn side by side"

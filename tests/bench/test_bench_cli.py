@@ -182,3 +182,12 @@ def test_flux2_rerun_changes_prompt_and_seed_and_still_hits():
     assert second["prompt"] != first["prompt"] and second["generator"].initial_seed() != first["generator"].initial_seed()
     results = measure_rows(pipe, select_rows("reuse"), call, runs=1, device=torch.device("cpu"))
     assert results[1]["reuse_hits"] == 1 and results[1]["speedup"] > 0
+
+
+@pytest.mark.parametrize("no_plot", [False, True])
+def test_the_plot_is_written_beside_the_json_unless_asked_not_to(tmp_path, no_plot, capsys):
+    out_json = tmp_path / "run.json"
+    argv = ["--runs", "1", "--steps", "2", "--resolution", "64", "--modes", "gpu,ram_async", "--json", str(out_json)]
+    assert main(argv + (["--no-plot"] if no_plot else [])) == 0
+    assert (tmp_path / "run.png").exists() is not no_plot
+    assert ("Plot written to" in capsys.readouterr().out) is not no_plot
