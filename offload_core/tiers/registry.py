@@ -8,6 +8,7 @@ File staging comes from the pinning allocator: staged copies to the device are t
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
@@ -18,6 +19,8 @@ from .base import Tier, TierContext
 from .device import DeviceTier
 from .file import FileTier
 from .ram import RamTier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,5 +81,8 @@ def close_tiers(tiers: Dict[str, Tier], streams: Streams) -> None:
                 tier.close()
             except BaseException as exc:
                 errors.append(exc)
+        for later in errors[1:]:  # the first is raised; the others must not vanish with it
+            log.warning("KV offload: closing another place failed too: %s: %s", type(later).__name__, later,
+                        exc_info=later)
         if errors:
             raise errors[0]

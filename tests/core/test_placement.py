@@ -189,3 +189,24 @@ def test_a_failing_tier_close_still_closes_the_other_places(tmp_path):
         store.close()
     assert list(tmp_path.iterdir()) == []  # the file place was closed anyway
     assert store._tiers["device"].nbytes() == {"device": 0} and store.closed
+
+
+def test_when_two_places_fail_to_close_the_first_is_raised_and_the_other_logged(tmp_path, caplog):
+    import logging
+
+    config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
+    store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
+    put_all(store, make_layers(range(4), shape=SHAPE))
+
+    def broken(why):
+        def close():
+            raise OSError(why)
+        return close
+
+    store._tiers["device"].close = broken("the first place")
+    store._tiers["host_pageable"].close = broken("the second place")
+    with caplog.at_level(logging.WARNING), pytest.raises(OSError, match="the first place"):
+        store.close()
+    assert any("closing another place failed too: OSError: the second place" in r.getMessage()
+               for r in caplog.records)
+    assert list(tmp_path.iterdir()) == []
