@@ -12,8 +12,13 @@ not followed (a patch of them replaces the object a model's code names, which th
 
 Identities are serial numbers given to each object when first seen and held in weak dictionaries, so a new object
 at a dead one's address gets a new number and no model is kept alive by its key; objects that cannot be weakly
-referenced (builtin functions, code objects) are module-level and kept as they are. The walk reads dictionaries only (no call, no import): about a millisecond for
-a transformer of a few dozen classes, whatever the size of its weights.
+referenced (builtin functions, code objects) are module-level and kept as they are. The walk reads dictionaries
+only (no call, no import), whatever the size of the weights.
+
+A walk is a function of what it read, so each model's last walk is kept with what it read (`codereads.Reads`) and
+its roots (the classes of the module tree and of its processors, the function-valued attributes). The next
+request compares those by identity and walks again only when one differs: the same answer as a walk at a tenth
+of its cost (`tests/core/test_codeprint.py` compares the two after every kind of change).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Dict, List, Set, Tuple
 
 import torch
 
+from .codereads import MISSING as _MISSING, Reads
+
 _SERIALS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 _KEEP: Dict[int, Tuple[object, int]] = {}  # id -> (object, serial) for what cannot be weakly referenced
 _NEXT = itertools.count(1)
@@ -35,19 +42,58 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, t
               types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType)
 
 
-def code_identity(model: torch.nn.Module) -> tuple:
-    """A hashable description of the code `model`'s forward can reach now (see the module docstring)."""
+# model -> (its roots, what its last walk read, the identity it gave); weak both ways: no model is kept alive
+_LAST: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def code_identity(model: torch.nn.Module, *, fresh: bool = False) -> tuple:
+    """A hashable description of the code `model`'s forward can reach now (see the module docstring); `fresh`
+    walks even when nothing the last walk read has changed."""
     subs = list(model.modules())
+    roots = tuple(_roots(sub) for sub in subs)
+    last = _LAST.get(model)
+    if not fresh and last is not None and _same_roots(last[0], roots) and last[1].unchanged():
+        return last[2]
     walk = _Walk({_package(type(sub)) for sub in subs} - {"torch"} | {"__main__"})
-    for sub in subs:
-        walk.klass(type(sub))
-        processor = getattr(sub, "processor", None)
+    for cls, processor, functions in roots:
+        walk.klass(cls)
         if processor is not None:
-            walk.klass(type(processor))
-        for name, value in vars(sub).items():
-            if _is_function(value):
-                walk.record(("attribute", type(sub).__qualname__, name), value)
-    return tuple(walk.out)
+            walk.klass(processor)
+        for name, value in functions:
+            walk.record(("attribute", cls.__qualname__, name), value)
+    identity = tuple(walk.out)
+    _LAST[model] = (tuple((cls, processor, _weak(functions)) for cls, processor, functions in roots),
+                    walk.reads.done(), identity)
+    return identity
+
+
+def _roots(sub: torch.nn.Module) -> tuple:
+    """Where a walk starts from `sub`: its class, its processor's class, its function-valued attributes."""
+    processor = getattr(sub, "processor", None)
+    functions = tuple((name, value) for name, value in vars(sub).items() if _is_function(value))
+    return type(sub), None if processor is None else type(processor), functions
+
+
+def _weak(functions: tuple) -> tuple:
+    """The attributes kept without keeping them alive (a bound method would keep its module, so the model)."""
+    kept = []
+    for name, value in functions:
+        try:
+            kept.append((name, weakref.ref(value)))
+        except TypeError:  # a descriptor or a static method: class-level, kept as it is
+            kept.append((name, lambda value=value: value))
+    return tuple(kept)
+
+
+def _same_roots(kept: tuple, roots: tuple) -> bool:
+    if len(kept) != len(roots):
+        return False
+    for (cls, processor, functions), (cls2, processor2, functions2) in zip(kept, roots):
+        if cls is not cls2 or processor is not processor2 or len(functions) != len(functions2):
+            return False
+        if any(name != name2 or ref() is not value for (name, ref), (name2, value) in zip(functions, functions2)):
+            return False
+    return True
 
 
 def _is_function(value) -> bool:
@@ -104,6 +150,7 @@ class _Walk:
         self._seen: Set[int] = set()
         self._packages = packages  # whose functions and classes are followed
         self._modules_seen: Set[tuple] = set()
+        self.reads = Reads()
 
     def _leaf(self, value) -> bool:
         return _package(value) not in self._packages
@@ -114,12 +161,13 @@ class _Walk:
             self.follow(value)
 
     def klass(self, cls: type) -> None:
-        for base in cls.__mro__:
+        for base in self.reads.mro(cls):
             if base is object or id(base) in self._seen:
                 continue
             self._seen.add(id(base))
             self.out.append(("class", _ident(base)))
             leaf = self._leaf(base)  # torch's own classes (nn.Module, nn.Linear): their methods by identity alone
+            self.reads.map(vars(base))
             for name, value in sorted(vars(base).items()):
                 self._member(base, name, value, follow=not leaf)
 
@@ -137,6 +185,7 @@ class _Walk:
         elif isinstance(value, _PLAIN):
             self.out.append(("class value", cls.__qualname__, name, repr(value)))
         elif isinstance(value, dict) and not name.startswith("__"):  # a registry: its functions by identity
+            self.reads.map(value)
             for key, item in sorted(value.items(), key=lambda kv: repr(kv[0])):
                 if _is_function(item):
                     self.record(("registry", cls.__qualname__, name, repr(key)), item)
@@ -149,10 +198,13 @@ class _Walk:
             return
         func = getattr(value, "__func__", value)
         code = getattr(func, "__code__", None)
-        if code is None or id(func) in self._seen or self._leaf(func):
+        if type(func) is not types.FunctionType or id(func) in self._seen or self._leaf(func):
             return
         self._seen.add(id(func))
+        contents = self.reads.function(func)
         scope = getattr(func, "__globals__", {})
+        self.reads.map(scope)
+        self.reads.map(_BUILTINS)
         names = _names(code)
         for name in names:
             target = scope.get(name, _BUILTINS.get(name, _MISSING))
@@ -164,11 +216,7 @@ class _Walk:
                 self.record(("global", func.__qualname__, name), target)
             elif isinstance(target, _PLAIN):
                 self.out.append(("global value", func.__qualname__, name, repr(target)))
-        for i, cell in enumerate(func.__closure__ or ()):
-            try:
-                content = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
+        for i, content in enumerate(contents):
             if _is_function(content) or isinstance(content, type):
                 self.record(("closure", func.__qualname__, i), content)
             elif isinstance(content, _PLAIN):
@@ -185,6 +233,7 @@ class _Walk:
             return
         self._modules_seen.add(key)
         scope = vars(module)
+        self.reads.map(scope)
         for name in names:
             target = scope.get(name, _MISSING)
             if isinstance(target, types.ModuleType):
@@ -194,5 +243,4 @@ class _Walk:
                 self.record(("attribute of", module.__name__, name), target)
 
 
-_MISSING = object()
 _BUILTINS = vars(builtins)

@@ -1,5 +1,9 @@
 """The code a forward can reach, as the reuse key sees it: every patch that changes what the forward runs changes
-the identity, undoing it gives the same identity back, and nothing else moves it."""
+the identity, undoing it gives the same identity back, and nothing else moves it. The identity kept from the
+last walk (`codereads`) is compared with a fresh walk at every step: the two never differ."""
+
+import gc
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -25,19 +29,112 @@ class Block(torch.nn.Module):
         return helper(self.act(self.norm(self.lin(x)))) + F.scaled_dot_product_attention(x, x, x)
 
 
+def identity(model) -> tuple:
+    """The identity as a request gets it (kept from the last walk when nothing it read changed), checked against a
+    fresh walk."""
+    kept = code_identity(model)
+    assert kept == code_identity(model, fresh=True), "the kept identity differs from a walk"
+    return kept
+
+
 def changes(apply):
     """Whether `apply()` (which returns its undo) changes the identity, and whether undoing restores it."""
     model = Block()
-    before = code_identity(model)
+    before = identity(model)
+    assert identity(model) == before
     undo = apply(model)
-    during = code_identity(model)
+    during = identity(model)
     undo()
-    return during != before, code_identity(model) == before
+    return during != before, identity(model) == before
 
 
 def test_nothing_changed_gives_the_same_identity():
     model = Block()
-    assert code_identity(model) == code_identity(model)
+    assert identity(model) == identity(model)
+
+
+def test_the_next_request_reuses_the_last_walk_only_while_nothing_it_read_changed(monkeypatch):
+    from offload_core import codeprint
+    model = Block()
+    walks = []
+    real = codeprint._Walk
+    monkeypatch.setattr(codeprint, "_Walk", lambda packages: walks.append(1) or real(packages))
+    code_identity(model)
+    code_identity(model)
+    assert len(walks) == 1  # the second request compared, it did not walk
+    model.act = torch.tanh
+    code_identity(model)
+    assert len(walks) == 2
+
+
+def test_every_part_a_walk_reads_is_seen_when_it_changes():
+    """Closure cells, defaults, keyword defaults, a subclass shadowing an inherited method, a class's bases, a
+    registry's entry, a builtin: each changes the identity, also once the walk is kept."""
+    def make(scale):
+        def closed(x, *, k=torch.relu):
+            return torch.tanh(x) * scale + k(x)
+        return closed
+
+    closed = make(2.0)
+    registry = {"native": torch.sigmoid}
+
+    class Base(torch.nn.Module):
+        backends = registry
+
+        def forward(self, x, act=torch.sigmoid):
+            return closed(act(x)) + len(x)
+
+    class Sub(Base):
+        pass
+
+    class Mixin:
+        pass
+
+    def reset():
+        model = Sub()
+        return model, identity(model)
+
+    def cell(model):
+        closed.__closure__[0].cell_contents = 3.0
+    def default(model):
+        Base.forward.__defaults__ = (torch.tanh,)
+    def kwdefault(model):
+        closed.__kwdefaults__["k"] = torch.tanh
+    def shadow(model):
+        Sub.forward = lambda self, x: x
+    def bases(model):
+        Sub.__bases__ = (Mixin, Base)
+    def entry(model):
+        registry["native"] = torch.tanh
+    def builtin(model):
+        import builtins
+        builtins.len = lambda x: 0
+    for change in (cell, default, kwdefault, shadow, bases, entry, builtin):
+        import builtins
+        saved = (closed.__closure__[0].cell_contents, Base.forward.__defaults__, dict(closed.__kwdefaults__),
+                 vars(Sub).get("forward"), Sub.__bases__, dict(registry), builtins.len)
+        model, before = reset()
+        change(model)
+        try:
+            assert identity(model) != before, change.__name__
+        finally:
+            closed.__closure__[0].cell_contents, Base.forward.__defaults__ = saved[0], saved[1]
+            closed.__kwdefaults__.update(saved[2])
+            if saved[3] is None and "forward" in vars(Sub):
+                del Sub.forward
+            Sub.__bases__, builtins.len = saved[4], saved[6]
+            registry.update(saved[5])
+        assert identity(model) == before, change.__name__
+
+
+def test_a_kept_walk_keeps_no_model_alive():
+    model = Block()
+    model.bound = model.forward  # a bound method: holds the module
+    identity(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_function_valued_attribute_changed_is_seen():
