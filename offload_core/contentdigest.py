@@ -42,9 +42,17 @@ def _tensor_sum(t: torch.Tensor) -> torch.Tensor:
     for part, words in enumerate(_as_words(t)):
         for start in range(0, words.numel(), _WORDS):
             chunk = words[start:start + _WORDS].to(torch.int64)
-            total[0] += (chunk * weights[: chunk.numel()]).sum()
+            total[0] += _weighted_sum(chunk, weights[: chunk.numel()])
             total[1] += chunk.sum() * (2 * (start // _WORDS) + 4 * part + 1)  # which chunk a word sits in
     return total
+
+
+def _weighted_sum(chunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(chunk * weights) modulo 2**64: one pass on the CPU (`dot`, twice as fast, no temporary); CUDA has no
+    integer `dot`, so there the product is summed."""
+    if chunk.device.type == "cpu":
+        return torch.dot(chunk, weights)
+    return (chunk * weights).sum()
 
 
 def _as_words(t: torch.Tensor) -> List[torch.Tensor]:

@@ -10,6 +10,7 @@ from .. import HostServices, Mode
 from ..reuse import PrefixRegistry
 from ..reusebudget import parse_budget
 from . import flux2, qwenimage21
+from .keys import ours
 from .pipeguard import session_of
 from .session import OffloadSession, make_config
 
@@ -42,8 +43,8 @@ def _kind_of(pipe) -> str:
     )
 
 
-def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None, reuse: bool = True,
-                      reuse_budget=None, **config_fields) -> OffloadSession:
+def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None,
+                      reuse: bool | str = True, reuse_budget=None, **config_fields) -> OffloadSession:
     """Keep the pipeline's prefix K/V cache in `mode`'s tier and bring each layer back when it is needed.
 
     Args:
@@ -55,7 +56,10 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
             freed) and serve a later request with the same prefix inputs from it, skipping the extraction pass:
             FLUX.2 Klein KV when the references are the same (prompt and seed may change), Qwen-Image 2.1 when
             prompt, references and output size are the same (seed and step count may change). The key also
-            covers the transformer's weights (LoRA load / fuse / unload, edits), dtype and device.
+            covers the transformer's weights (LoRA load / fuse / unload, edits), dtype and device, and the code
+            its forward can reach (`docs/reuse.md`). Where reading the model for the key costs more than a hit
+            saves (measured on the first requests at each prefix size), reuse turns off there and says so;
+            `"always"` keeps it on regardless.
         reuse_budget: bytes kept for reuse, for every place (an int) or per place (`{"device": ..., "host":
             ..., "file": ...}`); least recently used entries are evicted (closed: memory freed, files deleted).
             Default: nothing on the device (the VRAM goes back after every request), up to a quarter of the
@@ -86,8 +90,13 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
         disable_kv_offload(pipe)
 
     registry = PrefixRegistry(budget, name=type(pipe).__name__) if reuse and config.mode is not Mode.OFF else None
-    session = OffloadSession(pipe, config, host, registry)
+    session = OffloadSession(pipe, config, host, registry, always=reuse == "always")
+    before, after = session.times.hooks(session.timing)
+    if registry is not None:  # around the adapter's hooks: a call the adapter makes from its own is part of it
+        session.add_hook(transformer.register_forward_pre_hook(ours(before), with_kwargs=True))
     (qwenimage21 if kind == "qwenimage21" else flux2).install(session, transformer)
+    if registry is not None:
+        session.add_hook(transformer.register_forward_hook(ours(after), with_kwargs=True))
     session.attach()
     logger.info("KV offload enabled on %s: mode=%s, reuse %s", type(pipe).__name__, config.mode.value,
                 "on" if registry is not None else "off")
@@ -95,8 +104,9 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
 
 
 def _check_reuse(reuse, reuse_budget) -> dict:
-    if not isinstance(reuse, bool):
-        raise ValueError(f"`reuse` must be True or False; got {reuse!r}.")
+    if not isinstance(reuse, bool) and reuse != "always":
+        raise ValueError(f"`reuse` must be True, False or 'always' (on even where a hit saves less than the key "
+                         f"costs); got {reuse!r}.")
     if reuse_budget is not None and not reuse:
         raise ValueError(f"`reuse_budget` only applies with reuse=True; got reuse_budget={reuse_budget!r} with "
                          "reuse=False. Remove it, or turn reuse on.")

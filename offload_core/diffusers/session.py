@@ -18,6 +18,7 @@ are removed by `detach()`. The reuse key's diffusers part is in `keys.py`.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -25,6 +26,7 @@ from .. import HostServices, KVStore, Mode, OffloadConfig
 from ..fingerprint import ModelState, Unkeyable, model_state, plain
 from ..prefix import PrefixKey
 from ..reuse import PrefixRegistry
+from ..reusecost import ReuseCost, StepTimes
 from .closing import close_or_keep, give_back, log_summary, raise_first
 from .keys import attention_backend, check_numerics, is_ours
 from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
@@ -41,10 +43,11 @@ class OffloadSession:
             with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (extracted, then offered to the
             registry) or "off".
         reuse: the `PrefixRegistry` of this pipeline, or None when reuse is off.
+        cost: whether reuse pays, per model and prefix size (`reusecost.py`); `times`: this request's calls.
     """
 
     def __init__(self, pipe, config: OffloadConfig, host: HostServices | None,
-                 reuse: PrefixRegistry | None = None):
+                 reuse: PrefixRegistry | None = None, always: bool = False):
         self.pipe = pipe
         self.config = config
         self.host = host
@@ -61,6 +64,10 @@ class OffloadSession:
         self._states: dict[int, ModelState] = {}  # id(transformer) -> its state, read once per request
         self.refused: str | None = None  # why this request's prefix cannot be keyed (reuse off for it)
         self._warned: set[str] = set()
+        self.cost, self.times = ReuseCost(always), StepTimes()
+        self._scope = None  # (transformer, prefix layout) of this request's key, once read
+        self._hit = False
+        self._key_s = 0.0
 
     # -- stores --------------------------------------------------------------------------------------------
     def open_store(self, device: torch.device, expected_bytes: int | None, key: PrefixKey | None = None) -> KVStore:
@@ -83,8 +90,20 @@ class OffloadSession:
                   tensors: list, options=None) -> PrefixKey | None:
         """The key of a prefix computed by `transformer` on `device` from `tensors` and the call's attention
         `options`; None when reuse is off, or when the key cannot read something that may change the prefix
-        (then `refused` says what, for this request)."""
+        (then `refused` says what, for this request). Its time adds to the request's `reuse_key_s`."""
         if self.reuse is None:
+            return None
+        began = time.perf_counter()
+        try:
+            return self._reuse_key(family, transformer, device, header, tensors, options)
+        finally:
+            self._key_s += time.perf_counter() - began
+
+    def _reuse_key(self, family, transformer, device, header, tensors, options) -> PrefixKey | None:
+        scope = (id(transformer), header)
+        off = self.cost.off(scope)
+        if off is not None:
+            self._refuse(off)
             return None
         try:
             state = self._states.get(id(transformer))
@@ -96,6 +115,7 @@ class OffloadSession:
             self._refuse(str(exc))
             return None
         model = (state.identity, state.digest)
+        self._scope = scope
         return PrefixKey.build((family, id(transformer), model, attention_backend(), self.config.storage,
                                 described, *header), [*tensors, *option_tensors])
 
@@ -113,6 +133,7 @@ class OffloadSession:
         if entry is None:
             self._drop_stale(key)
             return None
+        self._hit = True
         self._leases.append(entry)
         return entry.store
 
@@ -162,20 +183,40 @@ class OffloadSession:
         keys, complete = self._keys, self._complete
         self._keys, self._complete = {}, set()
         self._bindings.clear()
-        states, self._states = self._states, {}
+        self._states = {}
         refused, self.refused = self.refused, None
+        key_s, self._key_s = self._key_s, 0.0
+        saved = self._judge(complete, key_s)
         if not stores and not leases:
             return
         errors: list[BaseException] = []
         kept = {id(s): keys.get(id(s)) for s in stores if raise_errors and id(s) in complete}
         stats = give_back(self.reuse, leases, raise_errors, errors)
         stats += close_or_keep(self.reuse, stores, kept, self._fallbacks, refused, errors)
-        key_s = sum(state.seconds for state in states.values())
         for entry_stats in stats:
             entry_stats["reuse_key_s"] = key_s  # reading the model for the key, once per request
+            if saved is not None:
+                entry_stats["reuse_saved_s"] = saved  # what a hit would have saved this request
         self.last_stats = stats
         log_summary(stats)
         raise_first(errors, raise_errors)
+
+    def timing(self) -> bool:
+        """Whether this call's time counts towards `cost` (reuse on, this pipeline's call)."""
+        return self.reuse is not None and self.active()
+
+    def _judge(self, complete: set, key_s: float) -> float | None:
+        """What a hit would have saved this request (a miss that made a prefix), weighed against the key."""
+        scope, hit, self._scope, self._hit = self._scope, self._hit, None, False
+        saved = self.times.saved() if scope is not None and not hit and complete else None
+        self.times.reset()
+        if saved is not None:
+            saved -= key_s  # the key is read inside the extracting call: a hit reads it too
+        if saved is not None:
+            off = self.cost.judge(scope, key_s, saved)
+            if off is not None:
+                logger.warning("KV offload: prefix reuse is off for this model: %s", off)
+        return saved
 
     # -- hooks ---------------------------------------------------------------------------------------------
     def add_hook(self, handle) -> None:

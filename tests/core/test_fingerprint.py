@@ -127,3 +127,10 @@ def test_plain_values_are_read_by_content_and_objects_refuse():
     assert d1 == d2 and content_digest(t1) != content_digest(t2)  # the description leaves content to the digest
     with pytest.raises(Unkeyable, match=r"kwargs\['f'\] holds a function"):
         plain({"f": lambda: 0}, "kwargs")
+
+
+def test_the_cpu_s_one_pass_weighted_sum_wraps_exactly_like_the_product_summed():
+    from offload_core.contentdigest import _weighted_sum, _weights
+    words = torch.randint(-(2 ** 63), 2 ** 63 - 1, (1 << 16,), dtype=torch.int64)  # every product overflows
+    weights = _weights(torch.device("cpu"))[: words.numel()]
+    assert _weighted_sum(words, weights) == (words * weights).sum()

@@ -24,7 +24,7 @@ def _run(pipe, image, seed, prompt):
 def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync") -> dict:
     """Counts: requests, hits, stale (a hit that differs), wrong (a miss that differs), refused, per change."""
     rng = random.Random(seed)
-    session = enable_kv_offload(pipe, mode, reuse_budget=BIG)
+    session = enable_kv_offload(pipe, mode, reuse_budget=BIG, reuse="always")
     active: dict = {}
     counts = {"requests": 0, "hits": 0, "stale": 0, "wrong": 0, "refused": 0, "changes": {}}
     state = {"seed": 0, "image": 0, "prompt": "a red apple"}

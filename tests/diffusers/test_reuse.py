@@ -37,7 +37,7 @@ def test_qwen21_hit_with_new_seed_and_steps_is_bit_identical_and_extracts_nothin
     lens = SeqLens(qwen_pipe)
     try:
         for mode in LOSSLESS_MODES:
-            session = enable_kv_offload(qwen_pipe, mode, reuse_budget=BIG)
+            session = enable_kv_offload(qwen_pipe, mode, reuse_budget=BIG, reuse="always")
             _run(qwen_pipe, imgs, cfg=cfg, seed=0)
             target = _target_tokens(lens.take())
             out = _run(qwen_pipe, imgs, cfg=cfg, seed=1, steps=STEPS + 1)
@@ -58,7 +58,7 @@ def test_flux2_hit_with_new_prompt_and_seed_is_bit_identical_and_extracts_nothin
     lens = SeqLens(flux_pipe)
     try:
         for mode in LOSSLESS_MODES:
-            session = enable_kv_offload(flux_pipe, mode, reuse_budget=BIG)
+            session = enable_kv_offload(flux_pipe, mode, reuse_budget=BIG, reuse="always")
             _run(flux_pipe, imgs, seed=0)
             target = _target_tokens(lens.take())
             out = _run(flux_pipe, imgs, seed=1, prompt="a green tree at night")
@@ -72,7 +72,7 @@ def test_flux2_hit_with_new_prompt_and_seed_is_bit_identical_and_extracts_nothin
 
 def test_flux2_hit_at_another_output_size_is_bit_identical(flux_pipe, images):
     """The reference K/V do not depend on the target (see test_reuse_claims.py): a new size is still a hit."""
-    session = enable_kv_offload(flux_pipe, "ram_sync")
+    session = enable_kv_offload(flux_pipe, "ram_sync", reuse="always")
     _run(flux_pipe, images[:1])
     out = _run(flux_pipe, images[:1], height=96, width=96, seed=3)
     assert session.reuse.stats()["hits"] == 1
@@ -84,7 +84,7 @@ def test_modular_qwen21_hit_is_bit_identical(images):
     pipe = models.qwen21_modular_pipeline(guidance_scale=4.0)
     pipe.set_progress_bar_config(disable=True)
     fresh = _run(pipe, images[:1], cfg=True, seed=1)
-    session = enable_kv_offload(pipe, "ram_async")
+    session = enable_kv_offload(pipe, "ram_async", reuse="always")
     _run(pipe, images[:1], cfg=True)
     assert np.array_equal(_run(pipe, images[:1], cfg=True, seed=1), fresh)
     assert session.reuse.stats()["hits"] == 2
@@ -99,7 +99,7 @@ def _edited_pixel(images):
 
 def _misses(pipe, images, variants):
     """Runs the base request, then each variant; returns the variants that were (wrongly) served a hit."""
-    session = enable_kv_offload(pipe, "ram_sync")
+    session = enable_kv_offload(pipe, "ram_sync", reuse="always")
     _run(pipe, images[:1])
     served = []
     for name, run in variants:
@@ -162,7 +162,7 @@ def test_flux2_every_key_component_changed_is_a_miss(flux_pipe, images):
 
 def test_a_dtype_change_is_a_miss(images):
     pipe = models.flux2_klein_kv_pipeline()
-    session = enable_kv_offload(pipe, "ram_sync")
+    session = enable_kv_offload(pipe, "ram_sync", reuse="always")
     _run(pipe, images[:1])
     pipe.to(dtype=torch.bfloat16)
     _run(pipe, images[:1])
@@ -176,8 +176,8 @@ def test_pipelines_sharing_a_transformer_keep_their_own_caches(flux_pipe, images
     from diffusers import Flux2KleinKVPipeline
 
     other = Flux2KleinKVPipeline.from_pipe(flux_pipe)
-    first = enable_kv_offload(flux_pipe, "ram_sync")
-    second = enable_kv_offload(other, "file_sync")
+    first = enable_kv_offload(flux_pipe, "ram_sync", reuse="always")
+    second = enable_kv_offload(other, "file_sync", reuse="always")
     try:
         reference = _run(flux_pipe, images[:1])
         assert np.array_equal(_run(other, images[:1]), reference)
@@ -211,12 +211,12 @@ def test_reuse_off_never_keeps_anything(qwen_pipe, images, store_log):
 
 def test_bad_reuse_options_are_refused_before_anything_is_patched(qwen_pipe):
     before = type(qwen_pipe)
-    with pytest.raises(ValueError, match="`reuse` must be True or False"):
+    with pytest.raises(ValueError, match="`reuse` must be True, False or 'always'.*got 'yes'"):
         enable_kv_offload(qwen_pipe, "ram_sync", reuse="yes")
     with pytest.raises(ValueError, match="`reuse_budget` only applies with reuse=True"):
         enable_kv_offload(qwen_pipe, "ram_sync", reuse=False, reuse_budget=1 << 30)
     with pytest.raises(ValueError, match="unknown place 'vram'"):
-        enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget={"vram": 1})
+        enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget={"vram": 1}, reuse="always")
     assert type(qwen_pipe) is before
 
 
@@ -228,7 +228,7 @@ def test_a_real_lora_load_fuse_unfuse_and_unload_is_never_served_stale(images):
     pipe = models.flux2_klein_kv_pipeline()
     t = pipe.transformer
 
-    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
     base = _run(pipe, images[:1])
     states = [
         ("loaded", lambda: t.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
@@ -245,7 +245,7 @@ def test_a_real_lora_load_fuse_unfuse_and_unload_is_never_served_stale(images):
         assert session.reuse.stats()["hits"] == hits, f"{name}: served a prefix made from other weights"
         disable_kv_offload(pipe)
         assert np.array_equal(outputs[name], _run(pipe, images[:1])), f"{name}: differs from a fresh request"
-        session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+        session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
         _run(pipe, images[:1])
     assert not np.array_equal(outputs["loaded"], base)
     assert not np.array_equal(outputs["fused again, then unloaded"], base)  # the fused delta stayed in the weights

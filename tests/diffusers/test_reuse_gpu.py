@@ -22,7 +22,7 @@ def test_a_hit_is_bit_identical_on_cuda(which, mode):
     images = models.condition_images(2, size=RES)
     cfg = which == "qwen"
     fresh = models.run_pipeline(pipe, images, steps=STEPS, resolution=RES, cfg=cfg, seed=1)
-    session = enable_kv_offload(pipe, mode, reuse_budget=BIG)
+    session = enable_kv_offload(pipe, mode, reuse_budget=BIG, reuse="always")
     try:
         models.run_pipeline(pipe, images, steps=STEPS, resolution=RES, cfg=cfg, seed=0)
         out = models.run_pipeline(pipe, images, steps=STEPS, resolution=RES, cfg=cfg, seed=1)
@@ -39,7 +39,7 @@ def test_by_default_the_device_memory_goes_back_after_each_request():
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     for mode in ("gpu", "ram_async"):
-        session = enable_kv_offload(pipe, mode)
+        session = enable_kv_offload(pipe, mode, reuse="always")
         models.run_pipeline(pipe, images, steps=STEPS, resolution=RES)
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= baseline, mode

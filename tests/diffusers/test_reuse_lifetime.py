@@ -33,7 +33,7 @@ def test_kept_stores_hold_nothing_on_the_device_while_vae_decodes(qwen_pipe, ima
         return original(vae, *args, **kwargs)
 
     monkeypatch.setattr(type(qwen_pipe.vae), "decode", decode)
-    session = enable_kv_offload(qwen_pipe, mode, **fields)
+    session = enable_kv_offload(qwen_pipe, mode, **fields, reuse="always")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True, seed=1)
     assert seen == [(2, 0, 0), (2, 0, 0)]  # cond + uncond kept, sealed, their device rings freed
@@ -46,7 +46,7 @@ def test_kept_stores_hold_nothing_on_the_device_while_vae_decodes(qwen_pipe, ima
 
 def test_gpu_mode_on_a_cpu_is_kept_as_host_memory(qwen_pipe, images, store_log):
     """Without an accelerator the "device" is RAM: the gpu tier's cache is kept within the host budget."""
-    session = enable_kv_offload(qwen_pipe, "gpu")
+    session = enable_kv_offload(qwen_pipe, "gpu", reuse="always")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     assert [s["reuse"] for s in session.last_stats] == ["kept"]
     stats = session.reuse.stats()
@@ -54,7 +54,7 @@ def test_gpu_mode_on_a_cpu_is_kept_as_host_memory(qwen_pipe, images, store_log):
 
 
 def test_a_budget_too_small_keeps_nothing(qwen_pipe, images, store_log):
-    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget={"host": 1024})
+    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget={"host": 1024}, reuse="always")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     assert store_log.live == [] and session.reuse.stats()["hits"] == 0
@@ -62,11 +62,11 @@ def test_a_budget_too_small_keeps_nothing(qwen_pipe, images, store_log):
 
 
 def test_eviction_closes_the_oldest_prefix_and_deletes_its_files(qwen_pipe, images, store_log, tmp_path):
-    first = enable_kv_offload(qwen_pipe, "file_sync", file_dir=str(tmp_path))
+    first = enable_kv_offload(qwen_pipe, "file_sync", file_dir=str(tmp_path), reuse="always")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     one = first.reuse.stats()["bytes"]["file"]
     files_one = len(_files(tmp_path))
-    session = enable_kv_offload(qwen_pipe, "file_sync", file_dir=str(tmp_path), reuse_budget={"file": one})
+    session = enable_kv_offload(qwen_pipe, "file_sync", file_dir=str(tmp_path), reuse_budget={"file": one}, reuse="always")
     assert store_log.stores[0].closed and _files(tmp_path) == []  # enabling again dropped what was kept
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     models.run_pipeline(qwen_pipe, images[1:2], steps=STEPS, resolution=RES)
@@ -77,7 +77,7 @@ def test_eviction_closes_the_oldest_prefix_and_deletes_its_files(qwen_pipe, imag
 
 
 def test_a_request_failing_on_a_hit_evicts_what_it_read(qwen_pipe, images, store_log, tmp_path):
-    session = enable_kv_offload(qwen_pipe, "file_async", file_dir=str(tmp_path))
+    session = enable_kv_offload(qwen_pipe, "file_async", file_dir=str(tmp_path), reuse="always")
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     args = models.call_kwargs(qwen_pipe, images[:1], steps=STEPS, resolution=RES, cfg=True)
     with pytest.raises(Boom):
@@ -88,7 +88,7 @@ def test_a_request_failing_on_a_hit_evicts_what_it_read(qwen_pipe, images, store
 
 
 def test_a_request_failing_while_extracting_keeps_nothing(flux_pipe, images, store_log):
-    session = enable_kv_offload(flux_pipe, "ram_sync")
+    session = enable_kv_offload(flux_pipe, "ram_sync", reuse="always")
     args = models.call_kwargs(flux_pipe, images[:1], steps=STEPS, resolution=RES)
     with pytest.raises(Boom):
         flux_pipe(**args, callback_on_step_end=raise_at_step(0))

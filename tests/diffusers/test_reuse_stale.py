@@ -35,7 +35,7 @@ def test_a_change_after_a_kept_prefix_is_never_served_stale(which, name, qwen_pi
     imgs = images[:1]
     reference = _changed_reference(pipe, imgs, CHANGES[name])
     unchanged = _run(pipe, imgs)
-    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
     _run(pipe, imgs, seed=0)  # keeps the prefix
     undo = CHANGES[name](pipe)
     try:
@@ -66,7 +66,7 @@ def test_a_lossy_hit_equals_a_fresh_lossy_request(which, storage, qwen_pipe, flu
     pipe = qwen_pipe if which == "qwen" else flux_pipe
     enable_kv_offload(pipe, "ram_sync", reuse=False, storage=storage)
     fresh = _run(pipe, images[:1])
-    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, storage=storage)
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, storage=storage, reuse="always")
     first = _run(pipe, images[:1])
     hit = _run(pipe, images[:1])
     assert session.reuse.stats()["hits"] >= 1
@@ -76,16 +76,16 @@ def test_a_lossy_hit_equals_a_fresh_lossy_request(which, storage, qwen_pipe, flu
 
 
 def test_storage_is_part_of_the_key(qwen_pipe, images):
-    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG)
+    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG, reuse="always")
     key = session.reuse_key("qwenimage21", qwen_pipe.transformer, torch.device("cpu"), (), [torch.zeros(2)])
     disable_kv_offload(qwen_pipe)
-    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG, storage="int8")
+    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG, storage="int8", reuse="always")
     other = session.reuse_key("qwenimage21", qwen_pipe.transformer, torch.device("cpu"), (), [torch.zeros(2)])
     assert not key.matches(other)
 
 
 def test_attention_kwargs_are_keyed_by_content_and_unreadable_ones_refuse(qwen_pipe):
-    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG)
+    session = enable_kv_offload(qwen_pipe, "ram_sync", reuse_budget=BIG, reuse="always")
     mask = torch.zeros(64, 64)
     other = mask.clone()
     other[30, 30] = 1  # the corners (and torch's repr) agree; the content does not
@@ -108,7 +108,7 @@ def test_a_peft_lora_b_edited_through_data_is_a_miss(images):
     pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
                                             target_modules=["to_k"]), adapter_name="a")
     lora_b = next(p for n, p in pipe.transformer.named_parameters() if "lora_B" in n)
-    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG)
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
     _run(pipe, images[:1], seed=0)
     lora_b.data[-1, -1] += 0.5
     out = _run(pipe, images[:1])
