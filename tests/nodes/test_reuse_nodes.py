@@ -234,3 +234,26 @@ def test_an_attention_function_swapped_between_two_queued_runs_is_a_miss_and_mat
     assert torch.equal(queue(dm, m, seed=1), swapped) and fills.count == 2 * kept  # filled again
     monkeypatch.undo()
     assert torch.equal(queue(dm, m, seed=2), own_cache(2)) and fills.count == 2 * kept  # the first prefix again
+
+
+@pytest.mark.parametrize("where", ["class method", "module function"])
+def test_the_models_class_or_a_function_of_its_module_patched_between_two_queued_runs_is_a_miss(where, monkeypatch):
+    # What speed-up packages do: a class-level monkeypatch of the model, or of a function its module defines.
+    import qwen21_tiny
+
+    dm = Tiny21()
+    m = patched(dm)
+    fills = Fills(dm, prefix_len=8)
+    queue(dm, m, seed=0)
+    kept = fills.count
+    if where == "class method":
+        qkv = Tiny21._qkv
+        monkeypatch.setattr(Tiny21, "_qkv", lambda self, i, x: tuple(t * 1.01 for t in qkv(self, i, x)))
+    else:
+        sdpa = qwen21_tiny.F.scaled_dot_product_attention
+        monkeypatch.setattr(qwen21_tiny, "F", type("F", (), {"scaled_dot_product_attention":
+                                                             staticmethod(lambda *a, **k: sdpa(*a, **k) * 1.01)}))
+    patched_run = own_cache(1)
+    assert torch.equal(queue(dm, m, seed=1), patched_run) and fills.count == 2 * kept  # filled again
+    monkeypatch.undo()
+    assert torch.equal(queue(dm, m, seed=2), own_cache(2)) and fills.count == 2 * kept  # the first prefix again
