@@ -27,6 +27,8 @@ class Family:
     patch(m, dm, config, to, reuse) -> (config, notes): patch the clone `m` (`to`: its transformer options) for
     `config`, and what to tell the user. run_config(config, to) -> the run's config, or None to stand down for
     the run (`to`: that run's options). attach(run, to, n_layers): put the run where the model will read it.
+    devices: serves ComfyUI's multi-GPU sampling (one store per device and cond, each device's thread its own);
+    a family without it stands down for such a run.
     """
 
     name: str
@@ -35,6 +37,7 @@ class Family:
     patch: Callable[..., "tuple[Any, list]"]
     run_config: Callable[[Any, dict], Any] = unless_flux_kv_cache_after
     attach: Callable[[Any, dict, int], None] = _nothing_to_attach
+    devices: bool = False
 
 
 def _transformer_blocks(dm) -> int:
@@ -46,9 +49,9 @@ FAMILIES = (
     Family("qwen_image21", has_prefix_cache, _transformer_blocks, patch_qwen21, qwen21_run_config, attach_qwen21),
     Family("wan_animate2", has_pose_cache, lambda dm: len(dm.blocks), claim_slot, attach=attach_cache),
     Family("flux", lambda dm: hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"),
-           lambda dm: len(dm.double_blocks) + len(dm.single_blocks), patch_reference_kv),
+           lambda dm: len(dm.double_blocks) + len(dm.single_blocks), patch_reference_kv, devices=True),
     Family("qwen_image", lambda dm: hasattr(dm, "transformer_blocks") and hasattr(dm, "default_ref_method"),
-           _transformer_blocks, patch_reference_kv),
+           _transformer_blocks, patch_reference_kv, devices=True),
 )
 
 

@@ -39,17 +39,26 @@ MULTI_GPU_KEY = "multigpu_thread_device"  # set by ComfyUI's _calc_cond_batch_mu
 def live_run(to: dict) -> Optional[RunState]:
     """The run in `to`, or None when there is none or it has stood down.
 
-    Multi-GPU sampling runs the forwards of one step concurrently in threads that share this run's state;
-    one forward-in-progress per run cannot describe that, so the run stands down at the first such forward
-    (before any state is touched), and every thread passes through.
+    Multi-GPU sampling (ComfyUI's MultiGPU CFG Split) runs the forwards of one step concurrently, one thread per
+    device, each with `MULTI_GPU_KEY` set to its device. A run whose family serves that (`RunState.devices`)
+    keeps one forward per thread and one store per device and cond (`branch_keys`); another stands down at the
+    first such forward, before any state is touched, and every thread passes through.
     """
     run: Optional[RunState] = to.get(RUN_KEY) if isinstance(to, dict) else None
     if run is None:
         return None
-    if MULTI_GPU_KEY in to:
+    if MULTI_GPU_KEY in to and not run.devices:
         run.stand_down("multi-GPU sampling runs cond batches in parallel threads, which KV Offload does not "
-                       "support; it stands down for this run")
+                       "support for this model family yet; it stands down for this run")
     return None if run.stood_down else run
+
+
+def branch_keys(to: dict) -> list:
+    """The branches of this forward's conds: their uuids, with the thread's device under multi-GPU sampling (a
+    cond moved to another device is captured there anew: a store serves one thread)."""
+    uuids = list(to.get("uuids") or [])
+    device = to.get(MULTI_GPU_KEY)
+    return uuids if device is None else [(str(device), u) for u in uuids]
 
 
 class RefKVAttention:
@@ -79,6 +88,8 @@ class RefKVAttention:
                 if u in fwd.capture:
                     rs = slice(i * rows, (i + 1) * rows)
                     label = "uncond" if i < len(kinds) and kinds[i] == 1 else "cond"
+                    if isinstance(u, tuple):  # multi-GPU: the readout names the device of each store
+                        label = f"{label} on {u[0]}"
                     run.put(u, layer, k[rs, :, -ref:], v[rs, :, -ref:], label=label)
             return {}
         ks, vs = [], []
@@ -102,7 +113,7 @@ def post_input_patch(inputs: dict) -> dict:
         return inputs
     ref = sum(to.get("reference_image_num_tokens", None) or [])
     img, txt = inputs["img"], inputs.get("txt")
-    fwd = run.begin_forward(to.get("uuids"), ref, img.shape[0])
+    fwd = run.begin_forward(branch_keys(to), ref, img.shape[0])
     if fwd.phase == CACHED:
         inputs["img"] = img = img[:, :-ref]
     # the joint length every attention layer of this forward must see (text first, then image)

@@ -84,7 +84,9 @@ class RunState:
         self.telemetry = telemetry
         self.run_id = run_id or _uuid.uuid4().hex[:12]
         self.branches: dict[Hashable, Branch] = {}
-        self.forward: Optional[ForwardState] = None
+        self._local = threading.local()  # this thread's forward in progress (`forward`)
+        self._active: dict[int, ForwardState] = {}  # thread ident -> its forward in progress
+        self.devices = False  # multi-GPU sampling: one forward per device's thread at a time (`live_run`)
         self.forwards = 0
         self.closed = False
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
@@ -98,6 +100,19 @@ class RunState:
         self.pose_cache = None  # Wan Animate 2's `PoseStoreCache`
 
     # --- one forward -----------------------------------------------------------------------------------
+    @property
+    def forward(self) -> Optional[ForwardState]:
+        """The forward in progress on this thread (multi-GPU sampling runs one per device's thread)."""
+        return getattr(self._local, "forward", None)
+
+    @forward.setter
+    def forward(self, fwd: Optional[ForwardState]) -> None:
+        self._local.forward = fwd
+        if fwd is None:
+            self._active.pop(threading.get_ident(), None)
+        else:
+            self._active[threading.get_ident()] = fwd
+
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
         """Decide the phase of this forward; called from the post-input patch, before any block runs.
 
@@ -115,9 +130,10 @@ class RunState:
             self.forward = ForwardState(CACHED, uuids, rows, ref_tokens)
             return self.forward
         capture = frozenset(u for u, ok in zip(uuids, ready) if not ok)
-        for u in capture:
-            self.drop_branch(u)
-            self.branches[u] = Branch(ref_tokens=ref_tokens, rows=rows)
+        with self._lock:
+            for u in capture:
+                self.drop_branch(u)
+                self.branches[u] = Branch(ref_tokens=ref_tokens, rows=rows)
         self.forward = ForwardState(EXTRACT, uuids, rows, ref_tokens, capture)
         return self.forward
 
@@ -133,6 +149,10 @@ class RunState:
     def _end_forward(self, ok: bool) -> None:
         fwd, self.forward = self.forward, None
         self.forwards += 1
+        if fwd is not None and self.stood_down:  # another thread stood the run down while this forward ran
+            for u in fwd.uuids:
+                self.drop_branch(u)
+            return
         if fwd is None or fwd.phase != EXTRACT:
             return
         for u in fwd.capture:
@@ -167,7 +187,8 @@ class RunState:
             # The stores of one forward each pick a tier at their first put, against the same free memory: size
             # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
             together = max(len(self.forward.capture), 1) if self.forward is not None else 1
-            branch.name = self.unique_name(label)
+            with self._lock:
+                branch.name = self.unique_name(label)
             branch.store = self.open_store(branch.name, k.device, layer_bytes(k, v) * self.n_layers * together)
         try:
             branch.store.put(layer, k, v)
@@ -223,14 +244,16 @@ class RunState:
     def stand_down(self, reason: str) -> None:
         """Step aside for the rest of the run: close every store, pass every later forward through.
 
-        Safe from several threads at once (one warning)."""
+        Safe from several threads at once (one warning). The stores another thread's forward reads right now are
+        closed when that forward ends (`end_forward`): a store is closed only by, or after, its own thread."""
         with self._lock:
             if self.stood_down:
                 return
             self.stood_down = reason
             log.warning("KV Offload: %s; the reference K/V is recomputed every step for this run.", reason)
         self.forward = None
-        for u in list(self.branches):
+        busy = {u for fwd in list(self._active.values()) for u in fwd.uuids}
+        for u in [u for u in list(self.branches) if u not in busy]:
             try:
                 self.drop_branch(u)
             except Exception:

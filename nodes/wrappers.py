@@ -132,6 +132,7 @@ def _new_run(spec: Optional[RunSpec], model_options: dict, patcher, store_factor
     if config is None:
         return None
     run = RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
+    run.devices = spec.family.devices  # whether it serves multi-GPU sampling's threads
     run.patcher = patcher  # prefix reuse keys by the weight-patch set this run samples with
     run.model_options = model_options  # ... and by the options that reach the forward
     return run

@@ -126,6 +126,14 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
     uuids = ["cond-uuid", "uncond-uuid"][: 2 if cfg is not None else 1]
 
     def loop():
+        pools = []
+        try:
+            return steps_of(pools)
+        finally:
+            for pool in pools:
+                pool.shutdown()
+
+    def steps_of(pools):
         x = noise.clone()
         for step in range(steps):
             to = dict(guider.model_options.get("transformer_options", {}))
@@ -136,8 +144,8 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
             def run_group(group, x=x, to=to, step=step):
                 idx = [uuids.index(u) for u in group]
                 t = dict(to, uuids=list(group), cond_or_uncond=idx)
-                if multigpu:
-                    t["multigpu_thread_device"] = torch.device("cpu")
+                if multigpu:  # one device per cond batch, as the scheduler spreads them: cpu:0, cpu:1
+                    t["multigpu_thread_device"] = torch.device("cpu", groups.index(group))
                 if fail_at is not None and fail_at[0] == step and fail_at[1] in group:
                     t["patches"] = _failing(t.get("patches", {}))
                 out = model.forward(torch.cat([x] * len(group)), torch.cat([refs[i] for i in idx]),
@@ -145,10 +153,10 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
                 for j, u in enumerate(group):
                     outs[u] = out[j * x.shape[0]:(j + 1) * x.shape[0]]
 
-            if multigpu:
-                with ThreadPoolExecutor(len(groups)) as pool:
-                    for f in [pool.submit(run_group, g) for g in groups]:
-                        f.result()
+            if multigpu:  # one thread per device for the whole run, as ComfyUI's MultiGPUThreadPool keeps
+                pools = pools or [ThreadPoolExecutor(1) for _ in groups]
+                for f in [pool.submit(run_group, g) for pool, g in zip(pools, groups)]:
+                    f.result()
             else:
                 for group in groups:
                     run_group(group)

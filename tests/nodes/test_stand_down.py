@@ -20,19 +20,6 @@ def warnings_of(caplog, text):
     return [r for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
 
 
-# --- multi-GPU sampling ---------------------------------------------------------------------------------------
-
-def test_multigpu_threads_make_the_run_stand_down(tmp_path, caplog):
-    rec = Recorder()
-    dm, patched = patched_tiny("ram_sync", tmp_path, telemetry=rec)
-    noise, refs, txts = inputs(0, cfg=True)
-    with caplog.at_level(logging.WARNING):
-        out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
-    assert rec.stores == []  # no store was ever made, so no cond's K/V could land in another's
-    assert len(warnings_of(caplog, "multi-GPU")) == 1
-    assert torch.equal(out, run_mode("off", tmp_path, cfg=3.0, batched=False))
-
-
 # --- sequence changed by another patch ----------------------------------------------------------------------------
 
 def _append_tokens(inputs_):

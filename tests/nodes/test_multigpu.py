@@ -1,0 +1,88 @@
+"""ComfyUI's multi-GPU sampling (MultiGPU CFG Split): the cond batches of a step run concurrently, one thread per
+device. The pack serves every thread: one store per device and cond, made and read by that device's thread,
+the latents those of the same conds on one device (FluxKVCache's semantics per cond); an interrupt in one thread closes every device's stores. A family that does not
+serve threads yet stands down for the run, once, with the reason."""
+
+import dataclasses
+import logging
+import threading
+
+import pytest
+import torch
+
+from kv_offload_pack.offload_core import KVStore
+
+from nodes_tiny import sample
+from patch_helpers import Recorder, inputs, no_files, patched_tiny, run_mode
+
+LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
+
+
+def one_device(tmp_path):
+    """The latents of cond and uncond in separate forwards on one device, the cache on the GPU (`test_patches`
+    holds that mode to FluxKVCache's)."""
+    return run_mode("gpu", tmp_path, cfg=3.0, batched=False)
+
+
+class Threads(KVStore):
+    """A real store that records the threads its puts and gets ran on."""
+
+    made = []
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.threads = {"put": set(), "get": set()}
+        Threads.made.append(self)
+
+    def put(self, key, k, v):
+        self.threads["put"].add(threading.get_ident())
+        return super().put(key, k, v)
+
+    def get(self, key):
+        self.threads["get"].add(threading.get_ident())
+        return super().get(key)
+
+
+@pytest.mark.parametrize("mode", LOSSLESS)
+def test_each_device_s_thread_gets_its_own_stores_and_the_latents_of_mode_off(mode, tmp_path, caplog):
+    Threads.made.clear()
+    rec = Recorder()
+    dm, patched = patched_tiny(mode, tmp_path, telemetry=rec, store_factory=Threads)
+    noise, refs, txts = inputs(0, cfg=True)
+    with caplog.at_level(logging.WARNING):
+        out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+    assert torch.equal(out, one_device(tmp_path))
+    assert not [r for r in caplog.records if "stands down" in r.message]
+    assert sorted(s.name for s in Threads.made) == ["cond on cpu:0", "uncond on cpu:1"]
+    for store in Threads.made:  # each did its puts and gets, all on one thread, and is closed
+        assert len(store.threads["put"]) == 1 and store.threads["put"] == store.threads["get"], store.name
+        assert store.closed
+    assert Threads.made[0].threads["put"] != Threads.made[1].threads["put"]
+    assert no_files(tmp_path) == []
+
+
+def test_an_interrupt_in_one_device_s_thread_closes_every_store_and_the_next_run_is_exact(tmp_path):
+    Threads.made.clear()
+    dm, patched = patched_tiny("file_async", tmp_path, store_factory=Threads)
+    noise, refs, txts = inputs(0, cfg=True)
+    with pytest.raises(KeyboardInterrupt):
+        sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True,
+               fail_at=(2, "uncond-uuid"))
+    assert Threads.made and all(s.closed for s in Threads.made)
+    assert no_files(tmp_path) == []
+    out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+    assert torch.equal(out, one_device(tmp_path))
+    assert no_files(tmp_path) == []
+
+
+def test_a_family_that_does_not_serve_threads_stands_down_once_with_the_reason(tmp_path, caplog):
+    rec = Recorder()
+    dm, patched = patched_tiny("ram_sync", tmp_path, telemetry=rec)
+    spec = patched.options()["transformer_options"]["kv_offload_spec"]
+    spec.family = dataclasses.replace(spec.family, devices=False)
+    noise, refs, txts = inputs(0, cfg=True)
+    with caplog.at_level(logging.WARNING):
+        out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+    assert rec.stores == []  # no store was ever made, so no cond's K/V could land in another's
+    assert len([r for r in caplog.records if "multi-GPU" in r.message]) == 1
+    assert torch.equal(out, run_mode("off", tmp_path, cfg=3.0, batched=False))
