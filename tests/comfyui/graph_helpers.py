@@ -25,13 +25,17 @@ def _cache_nodes(graph: dict, model_ref: list, mode, flux_kv) -> list:
 
 
 def graph(model: str = "flux2", mode=None, flux_kv=None, cfg: float = 1.0, steps: int = 4, ref_seed: int = 2,
-          seed: int = 7, size: int = 4) -> dict:
-    """UNETLoader / tiny Qwen-Image -> [FluxKVCache] -> [KVOffloadSettings] -> KSampler -> SaveLatent."""
+          seed: int = 7, size: int = 4, max_gpus: int = 0) -> dict:
+    """UNETLoader / tiny Qwen-Image -> [FluxKVCache] -> [KVOffloadSettings] -> [MultiGPU CFG Split] -> KSampler ->
+    SaveLatent (`max_gpus` 0: no MultiGPU CFG Split)."""
     flux = model == "flux2"
     g = {"model": ({"class_type": "UNETLoader",
                     "inputs": {"unet_name": "tiny_flux2.safetensors", "weight_dtype": "default"}} if flux else
                    {"class_type": "KVOffloadTestTinyQwenImage", "inputs": {"seed": 0}})}
     model_ref = _cache_nodes(g, ["model", 0], mode, flux_kv)
+    if max_gpus:
+        g["multigpu"] = {"class_type": "MultiGPU_WorkUnits", "inputs": {"model": model_ref, "max_gpus": max_gpus}}
+        model_ref = ["multigpu", 0]
     channels, frames, side = (128, 0, size) if flux else (16, 1, 2 * size)
     g["text"] = {"class_type": "KVOffloadTestConditioning", "inputs": {"seed": 1, "tokens": 8, "dim": 64}}
     g["ref"] = {"class_type": "KVOffloadTestLatent",

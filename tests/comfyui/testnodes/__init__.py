@@ -5,6 +5,9 @@ conditioning, seeded random latents, and a tiny random Qwen-Image model built in
 widths are class defaults, so a tiny one cannot be loaded through `UNETLoader`).
 """
 
+import sys
+import threading
+
 import torch
 
 import comfy.model_management as mm
@@ -62,16 +65,24 @@ class KVOffloadTestTinyQwenImage:
         return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31})}}
 
     def make(self, seed):
-        config = comfy.supported_models.QwenImage({"image_model": "qwen_image"})
-        config.unet_config.update(num_layers=2, attention_head_dim=32, num_attention_heads=2,
-                                  joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
-        config.set_inference_dtype(torch.float32, None)
-        model = config.get_model({}, "")
-        g = torch.Generator().manual_seed(seed)
-        sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in model.diffusion_model.state_dict().items()}
-        model.diffusion_model.load_state_dict(sd, strict=True, assign=True)
-        return (comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
-                                                 offload_device=mm.unet_offload_device()),)
+        return (_tiny_qwen_image(seed),)
+
+
+def _tiny_qwen_image(seed, disable_dynamic=False):
+    """The model, made afresh; registered as its patcher's `cached_patcher_init`, as ComfyUI's loaders do, so
+    MultiGPU CFG Split can build it again on another device."""
+    config = comfy.supported_models.QwenImage({"image_model": "qwen_image"})
+    config.unet_config.update(num_layers=2, attention_head_dim=32, num_attention_heads=2,
+                              joint_attention_dim=64, axes_dims_rope=(8, 12, 12))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({}, "")
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in model.diffusion_model.state_dict().items()}
+    model.diffusion_model.load_state_dict(sd, strict=True, assign=True)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                               offload_device=mm.unet_offload_device())
+    patcher.cached_patcher_init = (_tiny_qwen_image, (seed,))
+    return patcher
 
 
 class KVOffloadTestPoseConditioning:
@@ -109,19 +120,22 @@ class KVOffloadTestFailAt:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "calls": ("INT", {"default": 8, "min": 1, "max": 1 << 20})}}
+        return {"required": {"model": ("MODEL",), "calls": ("INT", {"default": 8, "min": 1, "max": 1 << 20})},
+                "optional": {"patch": (["double_block", "post_input"], {"default": "double_block"})}}
 
-    def make(self, model, calls):
+    def make(self, model, calls, patch="double_block"):
         seen = [0]
+        lock = threading.Lock()  # multi-GPU sampling calls it from a thread per device
 
-        def patch(args):
-            seen[0] += 1
-            if seen[0] == calls:
-                raise RuntimeError("test failure in the middle of sampling")
-            return {"img": args["img"]}
+        def fail(args):
+            with lock:
+                seen[0] += 1
+                if seen[0] == calls:
+                    raise RuntimeError("test failure in the middle of sampling")
+            return args if patch == "post_input" else {"img": args["img"]}
 
         m = model.clone()
-        m.set_model_patch(patch, "double_block")
+        m.set_model_patch(fail, patch)
         return (m,)
 
 
@@ -138,6 +152,25 @@ class KVOffloadTestMode:
 
     def make(self, mode):
         return (mode,)
+
+
+def _two_cpu_devices() -> None:
+    """Test-only: ComfyUI's multi-GPU code (`comfy.multigpu`, behind the MultiGPU CFG Split node) sees two devices,
+    `cpu` and `cpu:1`: distinct torch devices on the same memory, so the node deep-clones the model onto the second
+    and `_calc_cond_batch_multigpu` runs one thread per device, as on two GPUs. Every other caller sees what
+    ComfyUI sees (`--cpu`: one device)."""
+    devices = mm.get_all_torch_devices
+
+    def all_torch_devices(exclude_current=False):
+        if sys._getframe(1).f_globals.get("__name__") != "comfy.multigpu":
+            return devices(exclude_current)
+        found = [torch.device("cpu"), torch.device("cpu", 1)]
+        return found[1:] if exclude_current else found
+
+    mm.get_all_torch_devices = all_torch_devices
+
+
+_two_cpu_devices()
 
 
 NODE_CLASS_MAPPINGS = {
