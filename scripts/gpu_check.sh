@@ -127,5 +127,12 @@ step pose "${POSE_TIMEOUT:-60}" "$py" -m offload_core bench --pose --size "$size
 read -r -a stream_args <<< "${GPU_CHECK_STREAM_ARGS:---rounds 3 --sweep-mib 64}"
 step stream "${STREAM_TIMEOUT:-45}" "$py" -m offload_core stream --device "$device" "${stream_args[@]}"
 step tests 45 "$py" -m pytest -q "${select[@]}" --junitxml="$out/tests.xml" "${suites[@]}"
+# ComfyUI's multi-GPU sampling (MultiGPU CFG Split): one thread per GPU, a copy of the model on each
+gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${gpus:-0}" -ge 2 ]; then
+    step multigpu 60 "$py" -m pytest -q tests/nodes/test_multigpu.py -k two_cuda --junitxml="$out/multigpu.xml"
+else
+    echo "== multigpu: skipped, this host has ${gpus:-0} GPU(s) and the case needs 2" | tee "$out/multigpu.skipped"
+fi
 echo
 "$py" scripts/gpu_summary.py "$out"

@@ -192,6 +192,14 @@ def pose_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
+def multigpu_row(folder: str, step: str, title: str) -> list:
+    """The multi-GPU case runs on a host with two GPUs or more; elsewhere the script says it skipped it."""
+    skipped = _read(os.path.join(folder, f"{step}.skipped")).strip()
+    if skipped:
+        return [(title, NOTE, skipped.removeprefix(f"== {step}: "))]
+    return pytest_row(folder, step, title)
+
+
 def optional_row(folder: str, step: str, title: str) -> list:
     rc = _rc(folder, step)
     if rc is None:
@@ -214,6 +222,7 @@ STEPS = [
     (pose_rows, "pose", "pose cache, Wan 14B width"),
     (optional_row, "stream", "streaming benchmark"),
     (pytest_row, "tests", "gpu tests"),
+    (multigpu_row, "multigpu", "multi-GPU sampling, 2 GPUs"),
 ]
 
 

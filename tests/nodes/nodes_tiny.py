@@ -10,6 +10,7 @@ baseline mode `gpu` must match bit for bit.
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -120,10 +121,15 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
     Runs the OUTER_SAMPLE wrappers around the loop like `CFGGuider.outer_sample`. `fail_at=(step, uuid)`
     raises KeyboardInterrupt (a BaseException, like ComfyUI's InterruptProcessingException) inside that
     forward, after its first block. `multigpu`: like `_calc_cond_batch_multigpu`, the cond batches of a step
-    run concurrently in threads, each with `multigpu_thread_device` in its options.
+    run concurrently in threads, each with `multigpu_thread_device` in its options: True labels them `cpu:0`,
+    `cpu:1` on the one model; a list of devices runs a copy of the model on each (inputs moved there, outputs
+    back), as on real GPUs.
     """
     guider = Guider(model_options)
     uuids = ["cond-uuid", "uncond-uuid"][: 2 if cfg is not None else 1]
+
+    devices = multigpu if isinstance(multigpu, (list, tuple)) else None
+    copies = [copy.deepcopy(model).to(d) for d in devices] if devices else []
 
     def loop():
         pools = []
@@ -144,17 +150,21 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
             def run_group(group, x=x, to=to, step=step):
                 idx = [uuids.index(u) for u in group]
                 t = dict(to, uuids=list(group), cond_or_uncond=idx)
+                where, on = model, x.device
                 if multigpu:  # one device per cond batch, as the scheduler spreads them: cpu:0, cpu:1
-                    t["multigpu_thread_device"] = torch.device("cpu", groups.index(group))
+                    i = groups.index(group)
+                    t["multigpu_thread_device"] = devices[i] if devices else torch.device("cpu", i)
+                    where, on = (copies[i], devices[i]) if devices else (model, x.device)
                 if fail_at is not None and fail_at[0] == step and fail_at[1] in group:
                     t["patches"] = _failing(t.get("patches", {}))
-                out = model.forward(torch.cat([x] * len(group)), torch.cat([refs[i] for i in idx]),
-                                    torch.cat([txts[i] for i in idx]), t)
+                out = where.forward(torch.cat([x] * len(group)).to(on), torch.cat([refs[i] for i in idx]).to(on),
+                                    torch.cat([txts[i] for i in idx]).to(on), t).to(x.device)
                 for j, u in enumerate(group):
                     outs[u] = out[j * x.shape[0]:(j + 1) * x.shape[0]]
 
             if multigpu:  # one thread per device for the whole run, as ComfyUI's MultiGPUThreadPool keeps
-                pools = pools or [ThreadPoolExecutor(1) for _ in groups]
+                if not pools:
+                    pools.extend(ThreadPoolExecutor(1) for _ in groups)
                 for f in [pool.submit(run_group, g) for pool, g in zip(pools, groups)]:
                     f.result()
             else:

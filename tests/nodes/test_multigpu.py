@@ -86,3 +86,28 @@ def test_a_family_that_does_not_serve_threads_stands_down_once_with_the_reason(t
     assert rec.stores == []  # no store was ever made, so no cond's K/V could land in another's
     assert len([r for r in caplog.records if "multi-GPU" in r.message]) == 1
     assert torch.equal(out, run_mode("off", tmp_path, cfg=3.0, batched=False))
+
+
+def _on(devices, mode, tmp_path):
+    Threads.made.clear()
+    dm, patched = patched_tiny(mode, tmp_path, store_factory=Threads)
+    noise, refs, txts = inputs(0, cfg=True)
+    return sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=devices)
+
+
+def _a_copy_of_the_model_per_device(devices, tmp_path):
+    reference = _on(devices, "gpu", tmp_path)
+    for mode in LOSSLESS:
+        assert torch.equal(_on(devices, mode, tmp_path), reference), mode
+        assert sorted(str(s.device) for s in Threads.made) == sorted(str(d) for d in devices), mode
+        assert all(len(s.threads["get"]) == 1 and s.closed for s in Threads.made), mode
+    assert no_files(tmp_path) == []
+
+
+def test_a_copy_of_the_model_per_device_as_on_real_gpus(tmp_path):
+    _a_copy_of_the_model_per_device([torch.device("cpu"), torch.device("cpu")], tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (scripts/gpu_check.sh runs it)")
+def test_two_cuda_devices_each_keep_their_own_stores(tmp_path):
+    _a_copy_of_the_model_per_device([torch.device("cuda", 0), torch.device("cuda", 1)], tmp_path)

@@ -64,6 +64,15 @@ def test_everything_exact_passes_and_notes_what_is_absent(passing, capsys):
     assert "all checks passed" in out
 
 
+def test_the_multigpu_case_is_noted_where_skipped_and_fails_when_a_test_failed(passing, capsys):
+    (passing / "multigpu.skipped").write_text("== multigpu: skipped, this host has 1 GPU(s) and the case needs 2\n")
+    assert gpu_summary.main([str(passing)]) == 0
+    assert re.search(r"multi-GPU sampling, 2 GPUs.*note +skipped, this host has 1 GPU", capsys.readouterr().out)
+    (passing / "multigpu.skipped").unlink()
+    write(passing, "multigpu", 1, xml=JUNIT.format(n=6, f=1, e=0))
+    assert gpu_summary.main([str(passing)]) == 1
+
+
 @pytest.mark.parametrize("breakage", ["failed test", "inexact demo", "inexact row", "unstable row", "crash",
                                       "no report", "stream failed", "timeout", "nothing ran", "reuse key costs more",
                                       "reuse no hit"])
