@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -100,7 +101,7 @@ class OffloadSession:
             self._key_s += time.perf_counter() - began
 
     def _reuse_key(self, family, transformer, device, header, tensors, options) -> PrefixKey | None:
-        scope = (id(transformer), header)
+        scope = (weakref.ref(transformer), header)  # a new transformer at a dead one's address is another
         off = self.cost.off(scope)
         if off is not None:
             self._refuse(off)

@@ -111,3 +111,36 @@ def test_a_copy_of_the_model_per_device_as_on_real_gpus(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (scripts/gpu_check.sh runs it)")
 def test_two_cuda_devices_each_keep_their_own_stores(tmp_path):
     _a_copy_of_the_model_per_device([torch.device("cuda", 0), torch.device("cuda", 1)], tmp_path)
+
+
+def test_a_stand_down_in_one_thread_leaves_the_store_another_thread_reads_until_its_forward_ends():
+    from kv_offload_pack.nodes.inputs import config_from_inputs
+    from kv_offload_pack.nodes.state import CACHED, RunState
+
+    run = RunState(config_from_inputs("ram_sync"), None, 1, KVStore)
+    run.devices = True
+    key, k = ("cpu:1", "uncond-uuid"), torch.randn(1, 2, 3, 4)
+    reading, stood_down, got = threading.Event(), threading.Event(), []
+
+    def device_thread():  # fills its cond on the first forward, reads it on the second
+        with torch.inference_mode():
+            run.begin_forward([key], 3, 1)
+            run.put(key, "layer", k, k)
+            run.end_forward(True)
+            assert run.begin_forward([key], 3, 1).phase == CACHED
+            reading.set()
+            stood_down.wait(30)
+            got.append(run.get(key, "layer")[0].clone())  # its store is still open
+            run.end_forward(True)
+
+    thread = threading.Thread(target=device_thread)
+    thread.start()
+    assert reading.wait(30)
+    store = run.branches[key].store
+    run.stand_down("the disk filled up on the other device")
+    assert not store.closed
+    stood_down.set()
+    thread.join(30)
+    assert got and torch.equal(got[0], k)
+    assert store.closed and key not in run.branches  # closed when its forward ended
+    run.close()
