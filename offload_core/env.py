@@ -43,6 +43,11 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def is_set(name: str) -> bool:
+    """True where `name` holds something (set to nothing is the same as unset)."""
+    return _text(name) is not None
+
+
 def _text(name: str):
     text = os.environ.get(name, "").strip()
     return text or None  # set to nothing is the same as unset

@@ -101,6 +101,7 @@ class StoreStats:
             "misses": self.misses,
             "page_cache": now.info.get("page_cache"),
             "file_dir": now.info.get("file_dir"),
+            "file_io": now.info.get("file_io"),  # the file tiers' request size and requests in flight, and why
             "pinned_fallback": now.pinned_fallback is not None,
             "pinned_fallback_reason": now.pinned_fallback,
             "closed": now.closed,

@@ -37,22 +37,25 @@ class Pattern:
     inflight: int
     fallocate: bool = True
     huge: bool = True  # the ring in transparent huge pages, as the tiers' buffers are (where the OS has them)
+    ring_bytes: int = 0  # the destination ring's size; 0: `ring` requests
 
     @property
     def ring(self) -> int:
-        """Requests in the destination ring: at least 4, and one per request in flight."""
-        return max(4, self.inflight)
+        """Requests in the destination ring: `ring_bytes` of them (at least one), else at least 4 and one per
+        request in flight."""
+        return max(1, self.ring_bytes // self.request) if self.ring_bytes else max(4, self.inflight)
 
     @property
     def label(self) -> str:
         return f"{self.request >> 20}MiBx{self.inflight}" + ("" if self.fallocate else "-nofalloc") + \
-            ("" if self.huge else "-4k")
+            ("" if self.huge else "-4k") + (f"-ring{self.ring_bytes >> 20}MiB" if self.ring_bytes else "")
 
 
-def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP) -> List[Pattern]:
-    """Every request size x in-flight count, with and without `fallocate`, whose ring fits in `ring_cap`."""
-    tried = [Pattern(r, n, f) for r in requests for n in inflights for f in (True, False)]
-    return [p for p in tried if p.ring * p.request <= ring_cap]
+def patterns(requests: List[int], inflights: List[int], ring_cap: int = RING_CAP, ring_bytes: int = 0) -> List[Pattern]:
+    """Every request size x in-flight count, with and without `fallocate`, whose ring fits in `ring_cap`;
+    with `ring_bytes`, every ring that size (requests in flight beyond it share its buffers)."""
+    tried = [Pattern(r, n, f, ring_bytes=ring_bytes) for r in requests for n in inflights for f in (True, False)]
+    return [p for p in tried if p.ring * p.request <= max(ring_cap, ring_bytes)]
 
 
 def _ring(pattern: Pattern) -> List[HostBuffer]:
@@ -123,7 +126,8 @@ def parse(label: str) -> Pattern:
     """The pattern a label names (the inverse of `Pattern.label`)."""
     head, *tails = label.split("-")
     request, inflight = head.split("MiBx")
-    return Pattern(int(request) << 20, int(inflight), "nofalloc" not in tails, "4k" not in tails)
+    ring = next((int(t[len("ring"):-len("MiB")]) << 20 for t in tails if t.startswith("ring")), 0)
+    return Pattern(int(request) << 20, int(inflight), "nofalloc" not in tails, "4k" not in tails, ring)
 
 
 def _open(path: str, flags: int, direct: bool):

@@ -75,7 +75,8 @@ def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) ->
         put_s = time.perf_counter() - start
         read_s = min(_pass(store, layers, device) for _ in range(2))
         row = {"tier": mode, "put_gib_s": layers * layer_bytes / GiB / put_s, "get_gib_s": layers * layer_bytes / GiB / read_s,
-               "read_ms_per_layer": 1000 * read_s / layers, "page_cache": store.stats()["page_cache"]}
+               "read_ms_per_layer": 1000 * read_s / layers, "page_cache": store.stats()["page_cache"],
+               "file_io": store.stats()["file_io"]}  # the request size and depth the tier chose, and why
         if mode.endswith("async"):
             compute = _Compute(device, args.compute_ratio * read_s / layers)
             # Untimed: in a step loop the step before ends with compute too, which the prefetch of the first
@@ -129,7 +130,7 @@ def run(args) -> Dict[str, object]:
     base = args.dir or tempfile.gettempdir()
     k, v = _layer(layer_bytes, device)
     modes = args.tiers.split(",")
-    tried = rawio.patterns(args.requests, args.depths)
+    tried = rawio.patterns(args.requests, args.depths, ring_bytes=args.ring_mib << 20)
     sweep_bytes = max(min(total, args.sweep_mib << 20) // max(args.requests) * max(args.requests), max(args.requests))
     rounds, directory = [], None
     try:  # from the folder's birth on: an interrupt (Ctrl-C, SIGTERM) anywhere after it still deletes it
@@ -152,15 +153,10 @@ def run(args) -> Dict[str, object]:
     limits, rows = streamreport.combine(rounds, device)
     fs = fileio.ram_backed(base)
     return {"device": str(device), "directory": base, "filesystem_in_ram": fs, "cache_bytes": total,
-            "layer_bytes": layer_bytes, "io_depth": _io_depth(), "chunk_bytes": fileio.CHUNK,
-            "sweep_bytes": sweep_bytes, "ring_pages": "huge" if HUGE_PAGES else "4k",
+            "layer_bytes": layer_bytes, "sweep_bytes": sweep_bytes, "ring_bytes": args.ring_mib << 20,
+            "ring_pages": "huge" if HUGE_PAGES else "4k",
             "prefetch_depth": args.prefetch_depth, "compute_ratio": args.compute_ratio, "rounds": args.rounds,
             "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
             "load_avg": os.getloadavg() if hasattr(os, "getloadavg") else None, "torch": torch.__version__,
             "limits": limits, "rows": rows}
 
-
-def _io_depth() -> int:
-    from ..tiers.iopool import IO_DEPTH
-
-    return IO_DEPTH

@@ -28,6 +28,7 @@ from typing import List
 from .. import cliargs
 
 TIERS = ["ram_sync", "ram_async", "file_sync", "file_async"]
+MAX_RING_MIB = 256  # the raw patterns' largest ring (rawio.RING_CAP; a test keeps them equal)
 MAX_PREFETCH_DEPTH = 8  # the engine's limit (offload_core.config.MAX_PREFETCH_DEPTH; a test keeps them equal)
 
 
@@ -41,6 +42,8 @@ def build_parser() -> cliargs.Parser:
     p.add_argument("--depths", default="1,2,4,8,16",
                    help="requests in flight the raw file sweep tries (default 1,2,4,8,16)")
     p.add_argument("--requests", default="4,8,16,32", help="request sizes in MiB the raw sweep tries (default 4,8,16,32)")
+    p.add_argument("--ring-mib", type=int, default=0,
+                   help="size of the raw patterns' destination ring, MiB (default: max(4, in flight) requests)")
     p.add_argument("--sweep-mib", type=int, default=256,
                    help="file size of each raw sweep pattern, MiB (default 256; at most the cache's size)")
     p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated tiers (default {','.join(TIERS)})")
@@ -80,6 +83,9 @@ def check(args, parser) -> None:
     args.requests = [mib << 20 for mib in _integers(parser, "--requests", args.requests, 1, 256, "4,8,16")]
     if not 1 <= args.sweep_mib <= 1 << 16:
         parser.error(f"--sweep-mib must be between 1 and 65536; got {args.sweep_mib}.")
+    if not 0 <= args.ring_mib <= MAX_RING_MIB:
+        parser.error(f"--ring-mib must be between 1 and {MAX_RING_MIB} (0: max(4, in flight) requests); "
+                     f"got {args.ring_mib}.")
     if max(args.requests) > args.cache_mib << 20:
         parser.error(f"--requests: {max(args.requests) >> 20} MiB is larger than the cache ({args.cache_mib} MiB); "
                      "pick smaller requests or a larger --cache-mib.")

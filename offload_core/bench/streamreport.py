@@ -96,6 +96,16 @@ def _fmt(x, spec=".2f") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _ring(result: Dict[str, object]) -> str:
+    ring = result.get("ring_bytes") or 0
+    return f"{ring >> 20} MiB" if ring else "max(4, in flight) requests"
+
+
+def _pattern(io) -> str:
+    """A file tier's request size x requests in flight and how they were chosen (`stats()["file_io"]`)."""
+    return "-" if not io else f"{io['pattern']} ({io['chosen']})"
+
+
 def sweep_lines(f: dict) -> List[str]:
     """The raw sweep as a grid: a line per request size, a column per count in flight, each cell write/read
     GiB/s with `fallocate` and, in brackets, the write without it."""
@@ -127,33 +137,33 @@ def table(result: Dict[str, object]) -> str:
         f"layers, directory {result['directory']}" + (f" (on {result['filesystem_in_ram']}: in RAM)"
                                                       if result["filesystem_in_ram"] else ""),
         f"raw file patterns ({kind}, a {result.get('sweep_bytes', 0) >> 20} MiB file each, a pre-touched ring of "
-        f"max(4, in flight) requests{' in huge pages' if result.get('ring_pages') == 'huge' else ''}; write/read "
+        f"{_ring(result)}{' in huge pages' if result.get('ring_pages') == 'huge' else ''}; write/read "
         "GiB/s, write without fallocate in brackets; medians of the rounds):",
         *sweep_lines(f),
         *([f"the best patterns with the ring in 4 KiB pages instead: write {f['small_pages']['write']:.0%}, read "
            f"{f['small_pages']['read']:.0%} of the same pattern in huge pages (median of the rounds)"]
           if "small_pages" in f else []),
         f"best raw pattern: write {f['best_write_gib_s']:.2f} ({f['best_write_pattern']}), read "
-        f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); the tiers move {result['chunk_bytes'] >> 20} MiB "
-        f"requests, {result['io_depth']} in flight",
+        f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); each file tier's own pattern is in the table "
+        "(request size x requests in flight, and how it was chosen)",
         f"raw file limit: write {f['limit_write_gib_s']:.2f}{_span(f['limit_write_range'])}, read "
         f"{f['limit_read_gib_s']:.2f}{_span(f['limit_read_range'])} GiB/s (the best pattern measured again over the "
         f"whole cache: median of the {f['limit_passes']} raw passes around the file tiers; lowest-highest in brackets)",
         f"raw RAM memcpy {result['limits']['ram_gib_s']:.2f} GiB/s" + (
             "; pinned H2D {h2d_gib_s:.2f} / D2H {d2h_gib_s:.2f} GiB/s".format(**result["limits"]["cuda"])
             if "cuda" in result["limits"] else ""),
-        f"file tiers: {result['io_depth']} requests in flight per store; async tiers: prefetch depth "
+        "async tiers: prefetch depth "
         f"{result['prefetch_depth']}, compute {result['compute_ratio']}x the per-layer read time; every figure "
         f"is the median of {result['rounds']} interleaved rounds",
         "",
-        "| tier       | put GiB/s | put / raw write | get GiB/s | get / raw read | read ms/layer | compute ms/layer "
-        "| exposed ms | hidden | exact |",
-        "|------------|-----------|-----------------|-----------|----------------|---------------|------------------"
-        "|------------|--------|-------|",
+        "| tier       | pattern            | put GiB/s | put / raw write | get GiB/s | get / raw read | read ms/layer "
+        "| compute ms/layer | exposed ms | hidden | exact |",
+        "|------------|--------------------|-----------|-----------------|-----------|----------------|---------------"
+        "|------------------|------------|--------|-------|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['tier']:<10} | {r['put_gib_s']:9.2f} | {_fmt(r.get('put_vs_raw'), '15.0%')} | {r['get_gib_s']:9.2f} "
+            f"| {r['tier']:<10} | {_pattern(r.get('file_io')):<18} | {r['put_gib_s']:9.2f} | {_fmt(r.get('put_vs_raw'), '15.0%')} | {r['get_gib_s']:9.2f} "
             f"| {_fmt(r.get('get_vs_raw'), '14.0%')} | {r['read_ms_per_layer']:13.1f} "
             f"| {_fmt(r.get('compute_ms_per_layer'), '16.1f')} | "
             f"{_fmt(None if 'exposed_s' not in r else 1000 * r['exposed_s'], '10.1f')} "

@@ -1,8 +1,9 @@
 """`file_sync` / `file_async` tiers: one safetensors-compatible file per layer in a private directory.
 
 The tier owns the directory (locked while it lives, deleted at close), the thread pools and the layer
-entries; `filewrite.Writer` and `fileread.Reader` move the bytes. `IO_DEPTH` I/O threads do every chunk's
-`pwrite` / `preadv` and `HASH_THREADS` checksum the chunks beside them. Both tiers write the same way, in the
+entries; `filewrite.Writer` and `fileread.Reader` move the bytes, in the request size and with as many I/O threads
+as `diskfit` chose for the directory's disk; those threads do every chunk's `pwrite` / `preadv` and
+`HASH_THREADS` checksum the chunks beside them. Both tiers write the same way, in the
 background: a write lane (one thread, first in first out) finishes each layer file once its chunks are on
 disk, while the next layer's chunks already queue. They differ in reading: `file_sync` reads a layer when it
 is asked for, `file_async` adds two read lanes (one that starts reads and one that finishes them, so a layer's
@@ -26,11 +27,12 @@ from ..hostmem import HostBuffer
 from ..layout import LayerLayout
 from ..places import FILE, PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
+from . import diskfit
 from .fileio import checksum_module, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
 from .filewrite import LayerFile, Writer
-from .iopool import IO_DEPTH, IOPool, io_timeout
+from .iopool import IOPool, io_timeout
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +71,15 @@ class FileTier(Tier):
             self.note = (f"{self.directory} is on {self.ram_fs}, which keeps files in RAM: the file tier saves no "
                          "RAM here; point `file_dir` at a disk, or use a RAM mode")
             log.warning("KV offload: %s.", self.note)
-        self._chunks = IOPool(IO_DEPTH, "kv_offload_io")
+        self.io = diskfit.pattern_for(self.directory, self.cache_mode, self.ram_fs)  # request size, requests at once
+        self._chunks = IOPool(self.io.depth, "kv_offload_io")
         self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
         for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
             self._lanes[name] = IOPool(1, f"kv_offload_{name}")
         self._files: Dict[Hashable, LayerFile] = {}
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
-        self._writer = Writer(ctx, self.directory, self.cache_mode, self._chunks, self._hashes,
+        self._writer = Writer(ctx, self.directory, self.cache_mode, self.io.request, self._chunks, self._hashes,
                               self._lanes["write"], self._stuck)
         reads = {name: lane for name, lane in self._lanes.items() if name.startswith("read")}
         self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
@@ -149,7 +152,8 @@ class FileTier(Tier):
 
     def info(self) -> Dict[str, object]:
         mode = self.cache_mode if self.ram_fs is None else f"{self.ram_fs}: in RAM"
-        return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values()))}
+        return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values())),
+                "file_io": self.io.as_dict()}
 
     def _stop_io(self) -> List[str]:
         """Cancels queued I/O and waits (bounded, in total) for running I/O; returns what is still running."""

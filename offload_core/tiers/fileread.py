@@ -178,7 +178,7 @@ class Reader:
                 with self._ctx.streams.timed("transfer"):
                     direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
-        jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes), entry.digests)]
+        jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes, entry.chunk), entry.digests)]
         jobs = jobs or [(base, 0, None)]  # an empty layer: its header is still read and compared
         what = f"the read of {entry.path}"
         futures: List[cf.Future] = []

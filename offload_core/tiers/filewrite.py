@@ -22,7 +22,6 @@ import torch
 
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout, copy_range, safetensors_header
-from . import fileio
 from .base import TierContext
 from .fileos import Handle
 from .fileio import CHECKSUM, KVWriteError, chunks, digest
@@ -38,6 +37,7 @@ class LayerFile:
     path: str
     header: bytes
     layout: LayerLayout
+    chunk: int  # bytes per chunk (the last one may be shorter): one request, one digest
     digests: List[int] = field(default_factory=list)
     write: Optional[cf.Future] = None
     written: bool = False  # the file is complete on disk (counted in stats only from then on)
@@ -82,8 +82,8 @@ class _Lease:
             pool.release(self.item, self.item[1])  # with the copy's fence: the next user waits for it
 
 
-def layer_header(key: Hashable, layout: LayerLayout, digests: List[int]) -> bytes:
-    meta = dict(FORMAT, key=repr(key)[:200], checksum=CHECKSUM, chunk_bytes=str(fileio.CHUNK),
+def layer_header(key: Hashable, layout: LayerLayout, digests: List[int], chunk: int) -> bytes:
+    meta = dict(FORMAT, key=repr(key)[:200], checksum=CHECKSUM, chunk_bytes=str(chunk),
                 digests=",".join(f"{d:016x}" for d in digests))
     return safetensors_header(layout, meta)
 
@@ -92,9 +92,9 @@ class Writer:
     """The write path of one file store: its ring of chunk staging buffers, the writes in flight, the first
     write error."""
 
-    def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunks: IOPool, hashes: IOPool,
+    def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunk: int, chunks: IOPool, hashes: IOPool,
                  lane: IOPool, stuck: List[str]):
-        self._ctx, self.directory, self.cache_mode = ctx, directory, cache_mode
+        self._ctx, self.directory, self.cache_mode, self.chunk = ctx, directory, cache_mode, chunk
         self._chunks, self._hashes, self._lane, self._stuck = chunks, hashes, lane, stuck
         # A chunk per request in flight, one being checksummed and one being copied: the disk's queue stays
         # full while the consumer copies the next chunk.
@@ -131,8 +131,8 @@ class Writer:
         if self.failed is not None:
             raise KVWriteError(f"KV offload: an earlier layer file in {self.directory!r} could not be written "
                                f"({self.failed}); this store takes no more layers.") from self.failed
-        pieces = chunks(0, layout.data_bytes)
-        entry = LayerFile(path, layer_header(key, layout, [0] * len(pieces)), layout)
+        pieces = chunks(0, layout.data_bytes, self.chunk)
+        entry = LayerFile(path, layer_header(key, layout, [0] * len(pieces), self.chunk), layout, self.chunk)
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self._count(+1)
@@ -207,7 +207,7 @@ class Writer:
         fd_open, head = True, None
         try:
             digests = wait_all(job.chunks, f"the write of {entry.path}")
-            header = layer_header(key, entry.layout, digests)
+            header = layer_header(key, entry.layout, digests, entry.chunk)
             assert len(header) == len(entry.header), "digests are fixed-width: the header keeps its size"
             head = HostBuffer(len(header))  # page-aligned, as O_DIRECT needs; a few KiB
             with head.memory() as mem:

@@ -22,6 +22,10 @@ MiB = 1 << 20
 HUGE = 2 * MiB
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# The file tiers' patterns (`tiers.diskfit`): every request size and depth a probe can choose, and requests far
+# smaller than any layer's chunk count would be otherwise (many chunks, each layer's last wave split).
+IO_REQUESTS = [64 << 10, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
+IO_DEPTHS = [1, 2, 4, 8, 16]
 BIG_LIMIT = 64 * MiB  # one K (or V) at most; a store holds at most one layer that large
 STORE_LIMIT = 160 * MiB  # K and V of every layer of one store together, as put
 
@@ -50,6 +54,7 @@ class Case:
     discrete: bool  # auto: plan as if the device had memory of its own beside the host's (else the CPU's one pool)
     specs: Dict[Hashable, LayerSpec]
     passes: List[List[Hashable]]  # the keys got, pass by pass
+    io: Tuple[int, int] = (8 * MiB, 4)  # the file tiers' request bytes and requests in flight (what a probe may pick)
 
     @cached_property
     def layers(self) -> Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]]:
@@ -75,7 +80,8 @@ class Case:
 
     def describe(self) -> str:
         sizes = ", ".join(f"{s.k_shape} {str(s.dtype)[6:]}" for s in self.specs.values())
-        return f"seed {self.seed}: {self.fields} free={self.free} discrete={self.discrete} layers [{sizes}]"
+        return (f"seed {self.seed}: {self.fields} free={self.free} discrete={self.discrete} io={self.io} "
+                f"layers [{sizes}]")
 
 
 def tensor_bytes(rng: random.Random, big_left: bool) -> int:
@@ -168,4 +174,6 @@ def draw_case(seed: int) -> Case:
     if mode == "auto":
         free = (int(total * 3 * rng.random()), int(total * 2 * rng.random()))
     discrete = mode == "auto" and rng.random() < 0.7
-    return Case(seed, fields, free, discrete, specs, draw_passes(rng, list(specs)))
+    passes = draw_passes(rng, list(specs))
+    io = (rng.choice(IO_REQUESTS), rng.choice(IO_DEPTHS))  # drawn last: the draws above keep their seeds' values
+    return Case(seed, fields, free, discrete, specs, passes, io)

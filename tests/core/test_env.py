@@ -55,8 +55,9 @@ def test_good_values_are_used_as_given(monkeypatch):
 
 def _engine_reads(**env):
     script = ("import logging; logging.basicConfig(format='%(message)s')\n"
-              "from offload_core.tiers import base, file, iopool\n"
-              "print(file.IO_DEPTH, iopool.io_timeout(), base.TRANSFER_TIMEOUT_S)")
+              "from offload_core.tiers import base, diskfit, iopool\n"
+              "io = diskfit.pattern_for('.', 'o_direct', None)\n"
+              "print(io.depth, io.request >> 20, iopool.io_timeout(), base.TRANSFER_TIMEOUT_S)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr
@@ -64,10 +65,12 @@ def _engine_reads(**env):
 
 
 def test_the_engine_reads_its_variables_through_the_checks():
-    values, errors = _engine_reads(KV_OFFLOAD_IO_DEPTH="banana", KV_OFFLOAD_IO_TIMEOUT_S="-3")
-    assert values == ["4", "120.0", "600.0"]
+    values, errors = _engine_reads(KV_OFFLOAD_IO_DEPTH="banana", KV_OFFLOAD_IO_REQUEST_MIB="0",
+                                   KV_OFFLOAD_IO_TIMEOUT_S="-3")
+    assert values == ["4", "1", "120.0", "600.0"]
     assert "KV_OFFLOAD_IO_DEPTH='banana' is not a whole number from 1 to 64; using 4, the default." in errors
+    assert "KV_OFFLOAD_IO_REQUEST_MIB='0' is not a whole number from 1 to 256; using 1, the nearest allowed." in errors
     assert "KV_OFFLOAD_IO_TIMEOUT_S='-3' is not a finite number of seconds > 0; using 120.0, the default." in errors
     # A good timeout bounds the consumer's wait for a load too (five file operations in a row at most).
     values, errors = _engine_reads(KV_OFFLOAD_IO_DEPTH="8", KV_OFFLOAD_IO_TIMEOUT_S="2")
-    assert values == ["8", "2.0", "10.0"] and errors == ""
+    assert values == ["8", "8", "2.0", "10.0"] and errors == ""

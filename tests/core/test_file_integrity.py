@@ -207,10 +207,10 @@ def _split_store(mode, directory, monkeypatch):
 def test_the_last_wave_of_a_read_goes_in_parts(tmp_path, monkeypatch):
     """file_sync (no prefetch, so every request of a get is seen), 8 chunks a layer: the last `IO_DEPTH` of
     them (never the first, which carries the header) as 4 requests each, in order, covering them exactly."""
-    from offload_core.tiers import file, fileread
+    from offload_core.tiers import fileread, iopool
 
     assert fileread.TAIL_PARTS == 4
-    tail = min(file.IO_DEPTH, 7)  # 4 by default
+    tail = min(iopool.IO_DEPTH, 7)  # 4 by default
     store, layers = _split_store("file_sync", tmp_path, monkeypatch)
     requests = []
     real = fileread.pread_exact
@@ -300,9 +300,9 @@ def test_a_failed_part_fails_the_read_and_close_returns(tmp_path, monkeypatch):
 def test_the_last_wave_is_queued_round_by_round(tmp_path, monkeypatch):
     """Every tail chunk's first part, then every one's second, ...: each chunk's parts arrive spread over the
     wave, so its checksum is mostly taken before its last part is in."""
-    from offload_core.tiers import file, fileread
+    from offload_core.tiers import fileread, iopool
 
-    tail = min(file.IO_DEPTH, 7)
+    tail = min(iopool.IO_DEPTH, 7)
     store, layers = _split_store("file_sync", tmp_path, monkeypatch)
     queued = []
     real = fileread.Reader._requests

@@ -7,7 +7,7 @@ import offload_core.store as store_module
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.places import GiB
 from offload_core.plan import RESERVE_BYTES
-from offload_core.tiers import file, fileio
+from offload_core.tiers import fileio, iopool
 
 from store_helpers import make_layers, put_all
 
@@ -51,7 +51,7 @@ def test_32_layers_bounded_on_the_device_and_host_and_exact(fields, tmp_path):
     depth = config.depth
     # The file place's staging: read buffers (header + data each), and until the writes in flight at the first
     # get have finished (the next load frees them), the write ring too (a chunk, at most, per buffer).
-    staging = (depth + 1) * (LAYER + 2 * 4096) + (file.IO_DEPTH + 2) * min(fileio.CHUNK, LAYER)
+    staging = (depth + 1) * (LAYER + 2 * 4096) + (iopool.IO_DEPTH + 2) * min(fileio.CHUNK, LAYER)
     peaks = {"host": 0}
 
     def check(store):

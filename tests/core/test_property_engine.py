@@ -14,6 +14,7 @@ import torch
 
 from offload_core import KVStore, OffloadConfig
 from offload_core import store as store_module
+from offload_core.tiers import fileio, iopool
 
 from property_draws import MiB, draw_case
 
@@ -43,6 +44,8 @@ def reference(case, tmp_path):
 
 def run_case(case, tmp_path, monkeypatch):
     expected = reference(case, tmp_path)
+    monkeypatch.setattr(fileio, "CHUNK", case.io[0])  # the pattern a probe might have chosen (the tests fix it)
+    monkeypatch.setattr(iopool, "IO_DEPTH", case.io[1])
     if case.discrete:
         monkeypatch.setattr(store_module, "same_pool_reason", lambda device: None)
     files = tmp_path / "files"
@@ -82,6 +85,8 @@ def test_the_draws_cover_every_mode_place_storage_and_size_class():
     assert any(s.k_shape[0] > 1 and s.same_rows for s in specs)  # rows kept once
     assert any(s.k_shape[0] > 1 and not s.same_rows for s in specs)
     assert any(s.k_shape != s.v_shape for s in specs)
+    files = [c for c in cases if c._files]
+    assert {c.io[0] for c in files} >= {64 << 10, 16 * MiB} and {c.io[1] for c in files} >= {1, 16}
 
 
 REAL = {  # what real prefixes put: a Qwen-Image 2.1 layer of one 1024² reference and a prompt, odd token counts

@@ -1,0 +1,208 @@
+"""The request size and the requests in flight of the file tiers, fitted to the disk their directory is on.
+
+The pattern that keeps one disk at its limit leaves another below it (a virtual disk is flat from 4 MiB x 1 up;
+an NVMe drive wants several requests at once), so a fixed pair is wrong somewhere. Once per process, filesystem
+(`st_dev`) and page-cache mode, the first file tier made there probes its own fresh directory: it writes and
+reads a 64 MiB file in each `CANDIDATES` pattern with the tier's own I/O threads (`iopool.IOPool`) and
+page-aligned buffers, twice, in opposite orders, for at most `PROBE_SECONDS`, and keeps the pattern whose
+worse side (write against the best write seen, read against the best read) is best. Among patterns within
+`TIE` of it, the one that holds the least staging RAM wins, so noise never buys memory. Every later tier on
+that filesystem uses the answer at once.
+
+Every candidate stays within the staging a tier held before the probe existed: (requests in flight + 2)
+requests of write staging, at most 48 MiB. No probe runs where it would measure RAM instead of the disk (a
+filesystem in RAM, reads and writes through the page cache), nor where `KV_OFFLOAD_IO_REQUEST_MIB` or
+`KV_OFFLOAD_IO_DEPTH` fix the pattern, nor with `KV_OFFLOAD_IO_PROBE=0`; a probe that fails (a full disk) falls
+back to the default pattern, says why in `stats()["file_io"]`, and is tried again by the next tier.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from ..env import env_int, is_set
+from ..hostmem import HostBuffer
+from ..places import GiB, MiB
+from . import fileio, fileos, iopool
+from .filesave import discard, pwrite_all, reserve
+
+log = logging.getLogger(__name__)
+
+STAGING_BOUND = 48 * MiB  # write staging of the fixed 8 MiB x 4 pattern: (4 + 2) x 8 MiB
+PROBE_BYTES = 64 * MiB  # file size of each probed pattern
+PROBE_SECONDS = 2.0  # the probe stops starting patterns after this, and chooses among those it measured
+TIE = 0.03  # patterns this close to the best score count as equal: the least staging RAM wins
+
+
+@dataclass(frozen=True)
+class IOPattern:
+    """How a file tier moves a layer: `request` bytes per request, `depth` requests in flight, and why."""
+
+    request: int
+    depth: int
+    chosen: str  # "probe", "default" or "environment"
+    reason: str = ""
+    probe: Dict[str, Dict[str, float]] = field(default_factory=dict, compare=False)  # label -> write/read GiB/s
+
+    @property
+    def label(self) -> str:
+        return label(self.request, self.depth)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Write staging this pattern holds while layers are written (see `filewrite.Writer`)."""
+        return (self.depth + 2) * self.request
+
+    def as_dict(self) -> Dict[str, object]:
+        return {"request_bytes": self.request, "in_flight": self.depth, "pattern": self.label, "chosen": self.chosen,
+                "reason": self.reason, "probe_gib_s": {k: dict(v) for k, v in self.probe.items()}}
+
+
+def label(request: int, depth: int) -> str:
+    return f"{request // MiB}MiBx{depth}"
+
+
+def _candidates() -> List[Tuple[int, int]]:
+    """(request, depth) pairs within the staging bound and with at least 8 MiB in flight (less starves any disk)."""
+    pairs = [(r * MiB, d) for r in (2, 4, 8, 16) for d in (1, 2, 4, 8, 16)]
+    return [(r, d) for r, d in pairs if (d + 2) * r <= STAGING_BOUND and r * d >= 8 * MiB]
+
+
+CANDIDATES = _candidates()
+
+
+def default() -> Tuple[int, int]:
+    """The pattern used without a probe: `fileio.CHUNK` requests, `iopool.IO_DEPTH` in flight (read at call time)."""
+    return fileio.CHUNK, iopool.IO_DEPTH
+
+
+_FITS: Dict[Tuple[int, str], IOPattern] = {}
+_LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a child must not inherit the lock held by a parent's probing thread
+    os.register_at_fork(after_in_child=lambda: globals().update(_LOCK=threading.Lock()))
+
+
+def pattern_for(directory: str, cache_mode: str, ram_fs: Optional[str]) -> IOPattern:
+    """The pattern for a file tier in `directory` (its own, fresh and empty): fixed, default or probed."""
+    request, depth = default()
+    fixed = [name for name in ("KV_OFFLOAD_IO_REQUEST_MIB", "KV_OFFLOAD_IO_DEPTH") if is_set(name)]
+    if fixed:
+        if is_set("KV_OFFLOAD_IO_REQUEST_MIB"):
+            request = env_int("KV_OFFLOAD_IO_REQUEST_MIB", request // MiB, low=1, high=256) * MiB
+        return IOPattern(request, depth, "environment", f"set by {' and '.join(fixed)}")
+    refused = _no_probe(cache_mode, ram_fs)
+    if refused is not None:
+        return IOPattern(request, depth, "default", refused)
+    key = (os.stat(directory).st_dev, cache_mode)
+    with _LOCK:  # one probe per filesystem: a second tier made meanwhile (another device's thread) waits for it
+        fit = _FITS.get(key)
+        if fit is None:
+            try:
+                fit = probe(directory, cache_mode)
+            except (OSError, fileio.KVFileError) as exc:  # a full disk, an I/O error: the layers' writes will say
+                cause = fileio.os_cause(exc) if isinstance(exc, OSError) else str(exc)
+                log.info("KV offload: the I/O probe in %s failed (%s); using %s", directory, cause,
+                         label(request, depth))
+                return IOPattern(request, depth, "default", f"the probe failed ({cause})")
+            _FITS[key] = fit
+            log.info("KV offload: file I/O in %s: %s requests in flight of %d MiB (%s)", directory, fit.depth,
+                     fit.request // MiB, fit.reason)
+    return fit
+
+
+def _no_probe(cache_mode: str, ram_fs: Optional[str]) -> Optional[str]:
+    if not env_int("KV_OFFLOAD_IO_PROBE", 1, low=0, high=1):
+        return "KV_OFFLOAD_IO_PROBE=0"
+    if ram_fs is not None:
+        return f"on {ram_fs}, which keeps files in RAM: a probe would measure RAM"
+    if cache_mode not in fileos.DIRECT_MODES:
+        return f"page cache {cache_mode}: a probe would measure the page cache, not the disk"
+    return None
+
+
+def forget() -> None:
+    """Drops every probed pattern (tests; a process whose disks changed)."""
+    with _LOCK:
+        _FITS.clear()
+
+
+def probe(directory: str, cache_mode: str, candidates: Optional[List[Tuple[int, int]]] = None,
+          seconds: Optional[float] = None, nbytes: Optional[int] = None) -> IOPattern:
+    """Measures `candidates` (default `CANDIDATES`) in `directory` and chooses one (see the module's doc).
+
+    Leaves nothing behind, also when interrupted: the file is removed, the buffers freed, the threads stopped.
+    Raises `OSError` where the directory refuses the file (a full disk)."""
+    candidates = list(candidates or CANDIDATES)
+    limit = PROBE_SECONDS if seconds is None else seconds
+    nbytes = nbytes or PROBE_BYTES
+    first = default()
+    candidates.sort(key=lambda p: p != first)  # the default first: a slow disk measures at least it
+    figures: Dict[Tuple[int, int], Dict[str, float]] = {}
+    start = time.monotonic()
+    for pattern in candidates + candidates[::-1]:
+        if figures and time.monotonic() - start > limit:
+            break
+        got = measure(directory, cache_mode, *pattern, nbytes)
+        best = figures.setdefault(pattern, {"write": 0.0, "read": 0.0})
+        for kind in best:
+            best[kind] = max(best[kind], got[kind])
+    request, depth = choose(figures)
+    spent = time.monotonic() - start
+    return IOPattern(request, depth, "probe", f"probed {len(figures)} patterns in {spent:.1f} s",
+                     {label(*p): {k: round(v, 3) for k, v in f.items()} for p, f in figures.items()})
+
+
+def choose(figures: Dict[Tuple[int, int], Dict[str, float]]) -> Tuple[int, int]:
+    """The pattern whose worse side against the best of that side is best; within `TIE` of it, the one holding
+    the least staging, then the fewest threads."""
+    best = {kind: max(f[kind] for f in figures.values()) or 1.0 for kind in ("write", "read")}
+    score = {p: min(f[kind] / best[kind] for kind in best) for p, f in figures.items()}
+    top = max(score.values())
+    near = [p for p, s in score.items() if s >= top - TIE]
+    return min(near, key=lambda p: ((p[1] + 2) * p[0], p[1]))
+
+
+def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: int) -> Dict[str, float]:
+    """Write then read GiB/s of a file of `nbytes` in `directory`, `request` bytes a request, `depth` at once,
+    through the same calls the tiers make (`reserve`, `pwrite_all`, `Handle.preadv`)."""
+    nbytes = max(request, nbytes // request * request)
+    path = os.path.join(directory, f".io-probe-{request // MiB}x{depth}")
+    ring = [HostBuffer(request) for _ in range(depth)]
+    pool = iopool.IOPool(depth, "kv_offload_probe")
+    f, views = None, []
+    try:
+        for buf in ring:
+            buf.tensor.fill_(1)  # touched now, so no page fault is timed
+            views.append(buf.memory())
+        f = reserve(path, nbytes, cache_mode)
+        write = timed(pool, nbytes, request, lambda i, off: pwrite_all(f, views[i % depth], off, path))
+        f.close()
+        f = fileos.current().open(path, os.O_RDONLY, cache_mode=cache_mode)
+        read = timed(pool, nbytes, request, lambda i, off: fileio.pread_exact(f, views[i % depth], off, path))
+        return {"write": write, "read": read}
+    finally:
+        stuck = pool.shutdown(iopool.io_timeout())
+        if not stuck:  # a request stuck in the kernel keeps its descriptor and buffer (never freed under it)
+            if f is not None:
+                f.close()
+            for view in views:
+                view.release()
+            for buf in ring:
+                buf.release()
+        discard(path)
+
+
+def timed(pool: iopool.IOPool, nbytes: int, request: int, fn: Callable[[int, int], None]) -> float:
+    """GiB/s of `fn(i, offset)` for every request of `nbytes`, on `pool`'s threads."""
+    begin = time.perf_counter()
+    futures: list = []
+    for i, off in enumerate(range(0, nbytes, request)):
+        pool.submit(functools.partial(fn, i, off), "the I/O probe", into=futures)
+    iopool.wait_all(futures, "the I/O probe")
+    return nbytes / GiB / (time.perf_counter() - begin)
