@@ -72,6 +72,34 @@ def mount_tmpfs(tmp_path):
 
 
 @pytest.fixture
+def mount_ext4(tmp_path):
+    """`mount_ext4(size)` makes an ext4 filesystem of `size` (e.g. "24m") in a file and mounts it through a loop
+    device (a real disk's filesystem, where direct I/O works, unlike tmpfs); unmounted after the test. Skips
+    where this process may not (not root, no loop devices, no mkfs.ext4)."""
+    import shutil
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str = "24m") -> str:
+        image, where = tmp_path / f"ext4-{len(mounted)}.img", tmp_path / f"ext4-{len(mounted)}"
+        where.mkdir()
+        if shutil.which("mkfs.ext4") is None:
+            pytest.skip("no mkfs.ext4 here")
+        for command in (["truncate", "-s", size, str(image)], ["mkfs.ext4", "-q", "-F", str(image)],
+                        ["mount", "-o", "loop", str(image), str(where)]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot mount an ext4 image here ({done.stderr.strip() or command[0] + ' failed'})")
+        mounted.append(where)
+        return str(where)
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+@pytest.fixture
 def failing_writes(monkeypatch):
     """`failing_writes(name, before=None)`: from then on a positional write (`fileos.Handle.pwrite`, the one
     write of every system) into a file whose path contains `name` raises EIO — a failing disk, with the space

@@ -6,7 +6,8 @@ an NVMe drive wants several requests at once), so a fixed pair is wrong somewher
 reads a 64 MiB file in each `CANDIDATES` pattern with the tier's own I/O threads (`iopool.IOPool`) and
 page-aligned buffers, twice, in opposite orders, for at most `PROBE_SECONDS`, and keeps the pattern whose
 worse side (write against the best write seen, read against the best read) is best. Among patterns within
-`TIE` of it, the one that holds the least staging RAM wins, so noise never buys memory. Every later tier on
+`TIE` of it the default stays, else the one that holds the least staging RAM wins: noise never moves the
+pattern or buys memory. Every later tier on
 that filesystem uses the answer at once.
 
 Every candidate stays within the staging a tier held before the probe existed: (requests in flight + 2)
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 STAGING_BOUND = 48 * MiB  # write staging of the fixed 8 MiB x 4 pattern: (4 + 2) x 8 MiB
 PROBE_BYTES = 64 * MiB  # file size of each probed pattern
 PROBE_SECONDS = 2.0  # the probe stops starting patterns after this, and chooses among those it measured
-TIE = 0.03  # patterns this close to the best score count as equal: the least staging RAM wins
+TIE = 0.10  # patterns this close to the best score count as equal: the default stays, else the least staging wins
 
 
 @dataclass(frozen=True)
@@ -159,13 +160,14 @@ def probe(directory: str, cache_mode: str, candidates: Optional[List[Tuple[int, 
 
 
 def choose(figures: Dict[Tuple[int, int], Dict[str, float]]) -> Tuple[int, int]:
-    """The pattern whose worse side against the best of that side is best; within `TIE` of it, the one holding
-    the least staging, then the fewest threads."""
+    """The pattern whose worse side against the best of that side is best. Within `TIE` of it the default
+    stays (a short probe's samples scatter by that much on a shared disk: only a clear gain moves it), else
+    the one holding the least staging, then the fewest threads."""
     best = {kind: max(f[kind] for f in figures.values()) or 1.0 for kind in ("write", "read")}
     score = {p: min(f[kind] / best[kind] for kind in best) for p, f in figures.items()}
     top = max(score.values())
     near = [p for p, s in score.items() if s >= top - TIE]
-    return min(near, key=lambda p: ((p[1] + 2) * p[0], p[1]))
+    return min(near, key=lambda p: (p != default(), (p[1] + 2) * p[0], p[1]))
 
 
 def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: int) -> Dict[str, float]:

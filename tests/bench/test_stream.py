@@ -144,7 +144,8 @@ def _result(write_range, read_range):
     row = {"tier": "file_sync", "put_gib_s": 0.9, "get_gib_s": 0.95, "put_vs_raw": 0.9, "get_vs_raw": 0.95,
            "read_ms_per_layer": 1.0, "exact": True, "put_vs_paired": 0.91, "get_vs_paired": 0.96,
            "put_vs_paired_range": [0.85, 0.97], "get_vs_paired_range": [0.9, 1.0],
-           "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95}
+           "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95,
+           "file_io": {"pattern": "4MiBx8", "chosen": "probe"}}
     return {"device": "cpu", "cache_bytes": 1 << 30, "layer_bytes": 64 << 20, "directory": "/d", "chunk_bytes": 8 << 20,
             "filesystem_in_ram": None, "io_depth": 4, "prefetch_depth": 2, "compute_ratio": 1.5, "rounds": 3,
             "limits": {"file": file, "ram_gib_s": 10.0}, "rows": [row]}
@@ -153,6 +154,7 @@ def _result(write_range, read_range):
 def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
     steady = streamreport.table(_result([0.95, 1.05], [0.9, 1.05]))
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
+    assert "| file_sync  | 4MiBx8 (probe)     |" in steady  # the pattern the tier chose, and how
     noisy = streamreport.table(_result([0.9, 1.05], [0.7, 1.2]))
     assert "note: the disk's raw read throughput moved by more than 20%" in noisy
 
@@ -182,6 +184,11 @@ def test_the_sweep_skips_a_pattern_whose_ring_would_pass_its_memory_cap():
     tried = {p.label for p in rawio.patterns([16 << 20, 32 << 20], [4, 16])}
     assert tried == {"16MiBx4", "16MiBx4-nofalloc", "16MiBx16", "16MiBx16-nofalloc", "32MiBx4", "32MiBx4-nofalloc"}
     assert rawio.parse("32MiBx4-nofalloc") == rawio.Pattern(32 << 20, 4, False)  # labels round-trip
+    ring = rawio.patterns([16 << 20], [16], ring_bytes=64 << 20)  # the reference: 16 requests, 4 buffers
+    assert [p.ring for p in ring] == [4, 4] and all(rawio.parse(p.label) == p for p in ring)
+    from offload_core.bench import streamcli
+
+    assert streamcli.MAX_RING_MIB << 20 == rawio.RING_CAP
     for pattern in (rawio.Pattern(8 << 20, 2, True, False), rawio.Pattern(8 << 20, 2, False, False)):
         assert rawio.parse(pattern.label) == pattern and pattern.label.endswith("-4k")
 

@@ -1,0 +1,211 @@
+"""The file tiers' request size and requests in flight, fitted to the disk (`offload_core.tiers.diskfit`).
+
+The rest of the suite fixes the pattern (`KV_OFFLOAD_IO_PROBE=0` in the tests' conftest); here the probe runs,
+on this machine's real disk, with the calls the tiers make.
+"""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from offload_core import KVStore, OffloadConfig
+from offload_core.tiers import diskfit, fileio, iopool
+from offload_core.tiers.fileio import KVWriteError
+
+MiB = 1 << 20
+SMALL = [(1 * MiB, 1), (1 * MiB, 4), (2 * MiB, 2)]  # quick candidates for the tests
+
+
+@pytest.fixture
+def probing(monkeypatch):
+    """The probe on, nothing remembered from earlier tests, and forgotten again after."""
+    monkeypatch.delenv("KV_OFFLOAD_IO_PROBE", raising=False)
+    for name in ("KV_OFFLOAD_IO_DEPTH", "KV_OFFLOAD_IO_REQUEST_MIB"):
+        monkeypatch.delenv(name, raising=False)
+    diskfit.forget()
+    yield
+    diskfit.forget()
+
+
+def _direct_mode(directory) -> str:
+    mode = fileio.probe_page_cache_mode(str(directory), True)
+    if mode not in ("o_direct", "no_buffering"):
+        pytest.skip(f"{directory} refuses direct I/O ({mode}): no probe runs there")
+    return mode
+
+
+def test_choose_takes_the_best_worse_side_and_the_least_staging_among_ties():
+    figures = {
+        (8 * MiB, 4): {"write": 3.0, "read": 1.0},  # the best write, a poor read
+        (4 * MiB, 8): {"write": 2.0, "read": 2.0},  # worse side 2/3 of the best write
+        (2 * MiB, 16): {"write": 2.7, "read": 2.0},  # worse side 0.9 of the best: the winner
+    }
+    assert diskfit.choose(figures) == (2 * MiB, 16)
+    figures[(4 * MiB, 4)] = {"write": 2.5, "read": 1.95}  # within TIE of the winner, 24 MiB of staging against 36
+    assert diskfit.choose(figures) == (4 * MiB, 4)
+    figures[(8 * MiB, 4)] = {"write": 2.55, "read": 1.9}  # the default, within TIE too: it stays
+    assert (8 * MiB, 4) == diskfit.default() and diskfit.choose(figures) == (8 * MiB, 4)
+
+
+def test_every_candidate_stays_within_the_staging_the_fixed_pattern_held():
+    fixed = (iopool.IO_DEPTH + 2) * fileio.CHUNK
+    assert diskfit.STAGING_BOUND == fixed == 48 * MiB
+    assert (fileio.CHUNK, iopool.IO_DEPTH) in diskfit.CANDIDATES
+    for request, depth in diskfit.CANDIDATES:
+        assert (depth + 2) * request <= fixed and request * depth >= 8 * MiB
+    assert {d for _, d in diskfit.CANDIDATES} == {1, 2, 4, 8, 16}
+
+
+def test_a_probe_measures_each_pattern_with_the_tiers_calls_and_leaves_nothing(tmp_path):
+    mode = _direct_mode(tmp_path)
+    fit = diskfit.probe(str(tmp_path), mode, candidates=SMALL, nbytes=8 * MiB)
+    assert fit.chosen == "probe" and (fit.request, fit.depth) in SMALL
+    assert set(fit.probe) == {diskfit.label(*p) for p in SMALL}
+    assert all(f["write"] > 0 and f["read"] > 0 for f in fit.probe.values())
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv_offload_probe")]
+
+
+def test_a_probe_stops_starting_patterns_after_its_time(tmp_path):
+    mode = _direct_mode(tmp_path)
+    fit = diskfit.probe(str(tmp_path), mode, candidates=SMALL, seconds=0.0, nbytes=4 * MiB)
+    assert len(fit.probe) == 1  # the first pattern is always measured, then the time is up
+
+
+def test_a_store_uses_the_probed_pattern_and_its_files_say_so(tmp_path, probing, monkeypatch):
+    _direct_mode(tmp_path)
+    monkeypatch.setattr(diskfit, "CANDIDATES", SMALL)
+    monkeypatch.setattr(diskfit, "PROBE_BYTES", 8 * MiB)
+    k = torch.randn(3 * MiB // 4 + 1)  # 3 MiB and 4 bytes: several chunks of any candidate, the last one short
+    for mode in ("file_sync", "file_async"):
+        with KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu") as store:
+            for key in range(3):
+                store.put(key, k, -k)
+            store.flush()
+            io = store.stats()["file_io"]
+            assert io["chosen"] == "probe" and (io["request_bytes"], io["in_flight"]) in SMALL
+            tier = store._tiers["file"]
+            assert tier._chunks.workers == io["in_flight"]
+            path = os.path.join(tier.directory, "layer-00000.safetensors")
+            with open(path, "rb") as f:
+                head = f.read(4096)
+            assert f'"chunk_bytes":"{io["request_bytes"]}"'.encode() in head
+            for key in range(3):
+                got_k, got_v = store.get(key)
+                assert torch.equal(got_k, k) and torch.equal(got_v, -k)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_probe_runs_once_per_filesystem_even_from_two_threads(tmp_path, probing, monkeypatch):
+    mode = _direct_mode(tmp_path)
+    calls, second = [], threading.Event()
+
+    def slow_probe(directory, cache_mode):
+        calls.append(directory)
+        second.wait(10)  # the other thread is on its way in: without the lock it would probe too
+        return diskfit.IOPattern(MiB, 2, "probe", "stand-in figures")
+
+    def make(name: str, then=None):
+        if then is not None:
+            then.set()
+        got.append(diskfit.pattern_for(str(tmp_path / name), mode, None))
+
+    monkeypatch.setattr(diskfit, "probe", slow_probe)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    got = []
+    first = threading.Thread(target=make, args=("a",))
+    first.start()
+    while not calls:
+        first.join(0.01)
+    threads = [first, threading.Thread(target=make, args=("b", second))]
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert len(calls) == 1 and len(got) == 2 and got[0] is got[1]
+    assert diskfit.pattern_for(str(tmp_path), "fadvise", None).chosen == "default"  # another cache mode: not probed
+
+
+def test_no_probe_where_it_would_measure_ram_or_the_page_cache(tmp_path, probing, monkeypatch, mount_tmpfs):
+    monkeypatch.setattr(diskfit, "probe", lambda *a: pytest.fail("probed"))
+    fit = diskfit.pattern_for(str(tmp_path), "fadvise", None)
+    assert (fit.chosen, fit.request, fit.depth) == ("default", fileio.CHUNK, iopool.IO_DEPTH)
+    assert "page cache" in fit.reason
+    ram = mount_tmpfs("8m")
+    with KVStore(OffloadConfig(mode="file_sync", file_dir=ram), "cpu") as store:
+        store.put(0, torch.ones(8), torch.ones(8))
+        io = store.stats()["file_io"]
+    assert io["chosen"] == "default" and "tmpfs" in io["reason"]
+
+
+def test_the_environment_fixes_the_pattern(tmp_path, probing, monkeypatch):
+    monkeypatch.setattr(diskfit, "probe", lambda *a: pytest.fail("probed"))
+    monkeypatch.setenv("KV_OFFLOAD_IO_REQUEST_MIB", "2")
+    fit = diskfit.pattern_for(str(tmp_path), "o_direct", None)
+    assert (fit.request, fit.depth, fit.chosen) == (2 * MiB, iopool.IO_DEPTH, "environment")
+    assert fit.reason == "set by KV_OFFLOAD_IO_REQUEST_MIB"
+    monkeypatch.delenv("KV_OFFLOAD_IO_REQUEST_MIB")
+    monkeypatch.setenv("KV_OFFLOAD_IO_PROBE", "0")
+    assert diskfit.pattern_for(str(tmp_path), "o_direct", None).reason == "KV_OFFLOAD_IO_PROBE=0"
+
+
+def test_a_failed_probe_falls_back_says_why_and_is_tried_again(tmp_path, probing, monkeypatch):
+    mode = _direct_mode(tmp_path)
+    outcomes = [KVWriteError("KV offload: the disk holding it is full"), None]
+
+    def probe(directory, cache_mode):
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        return diskfit.IOPattern(MiB, 2, "probe", "second try")
+
+    monkeypatch.setattr(diskfit, "probe", probe)
+    first = diskfit.pattern_for(str(tmp_path), mode, None)
+    assert first.chosen == "default" and "the disk holding it is full" in first.reason
+    assert diskfit.pattern_for(str(tmp_path), mode, None).reason == "second try"
+
+
+def test_a_full_disk_during_the_probe_is_not_an_error(probing, monkeypatch, mount_ext4):
+    """A real filesystem with 6 MiB free: the probe's 8 MiB file does not fit, the store still works."""
+    small = mount_ext4("24m")
+    mode = _direct_mode(small)
+    ballast = os.path.join(small, "ballast")
+    with open(ballast, "wb") as f:
+        f.write(b"\0" * (os.statvfs(small).f_bavail * os.statvfs(small).f_frsize - 6 * MiB))
+    monkeypatch.setattr(diskfit, "CANDIDATES", SMALL)
+    monkeypatch.setattr(diskfit, "PROBE_BYTES", 8 * MiB)
+    fit = diskfit.pattern_for(small, mode, None)
+    assert fit.chosen == "default" and "full" in fit.reason
+    assert sorted(os.listdir(small)) == sorted(["ballast", "lost+found"])
+
+
+@pytest.mark.parametrize("call", [1, 2, 5])
+def test_an_interrupt_inside_the_probe_leaves_no_file_thread_or_directory(call, tmp_path, probing, monkeypatch):
+    _direct_mode(tmp_path)
+    monkeypatch.setattr(diskfit, "CANDIDATES", SMALL)
+    monkeypatch.setattr(diskfit, "PROBE_BYTES", 4 * MiB)
+    real, seen = diskfit.timed, []
+
+    def interrupted(*args):
+        seen.append(1)
+        if len(seen) == call:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(diskfit, "timed", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # the probe alone: its own file goes
+        diskfit.probe(str(tmp_path), fileio.probe_page_cache_mode(str(tmp_path), True), nbytes=4 * MiB)
+    assert os.listdir(tmp_path) == []
+    seen.clear()
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    with pytest.raises(KeyboardInterrupt):
+        store.put(0, torch.ones(8), torch.ones(8))
+    store.close()
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv_offload_probe") and t.is_alive()]
+    monkeypatch.setattr(diskfit, "timed", real)
+    with KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu") as again:  # nothing was remembered
+        again.put(0, torch.ones(8), torch.ones(8))
+        assert again.stats()["file_io"]["chosen"] == "probe"
