@@ -47,28 +47,40 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+def _mounter(tmp_path, kind: str, commands, why: str):
+    """`(mount, unmount_all)`: `mount(size)` runs `commands(size, image, where)` in turn for a fresh mount point
+    `where` (and a backing file `image`), skipping the test with `why` and the error where one fails."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str) -> str:
+        image, where = tmp_path / f"{kind}-{len(mounted)}.img", tmp_path / f"{kind}{len(mounted)}"
+        where.mkdir()
+        for command in commands(size, str(image), str(where)):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot mount a{'n' if kind[0] in 'ae' else ''} {kind} here "
+                            f"({done.stderr.strip() or command[0] + ' failed'}); {why}")
+        mounted.append(where)
+        return str(where)
+
+    def unmount_all() -> None:
+        for where in reversed(mounted):
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+    return mount, unmount_all
+
+
 @pytest.fixture
 def mount_tmpfs(tmp_path):
     """`mount_tmpfs(size)` mounts a real tmpfs of `size` (e.g. "8m") and returns its path; unmounted after the test.
 
     Skips, with the reason, where this process may not mount (not root, no CAP_SYS_ADMIN in a container)."""
-    import subprocess
-
-    mounted = []
-
-    def mount(size: str = "16m") -> str:
-        where = tmp_path / f"tmpfs{len(mounted)}"
-        where.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'}); needs root")
-        mounted.append(where)
-        return str(where)
-
-    yield mount
-    for where in reversed(mounted):
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    mount, unmount_all = _mounter(tmp_path, "tmpfs", lambda size, image, where: [
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", where]], "needs root")
+    yield lambda size="16m": mount(size)
+    unmount_all()
 
 
 @pytest.fixture
@@ -77,26 +89,14 @@ def mount_ext4(tmp_path):
     device (a real disk's filesystem, where direct I/O works, unlike tmpfs); unmounted after the test. Skips
     where this process may not (not root, no loop devices, no mkfs.ext4)."""
     import shutil
-    import subprocess
 
-    mounted = []
-
-    def mount(size: str = "24m") -> str:
-        image, where = tmp_path / f"ext4-{len(mounted)}.img", tmp_path / f"ext4-{len(mounted)}"
-        where.mkdir()
-        if shutil.which("mkfs.ext4") is None:
-            pytest.skip("no mkfs.ext4 here")
-        for command in (["truncate", "-s", size, str(image)], ["mkfs.ext4", "-q", "-F", str(image)],
-                        ["mount", "-o", "loop", str(image), str(where)]):
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                pytest.skip(f"cannot mount an ext4 image here ({done.stderr.strip() or command[0] + ' failed'})")
-        mounted.append(where)
-        return str(where)
-
-    yield mount
-    for where in reversed(mounted):
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("no mkfs.ext4 here")
+    mount, unmount_all = _mounter(tmp_path, "ext4", lambda size, image, where: [
+        ["truncate", "-s", size, image], ["mkfs.ext4", "-q", "-F", image], ["mount", "-o", "loop", image, where]],
+        "needs root and loop devices")
+    yield lambda size="24m": mount(size)
+    unmount_all()
 
 
 @pytest.fixture

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 STAGING_BOUND = 48 * MiB  # write staging of the fixed 8 MiB x 4 pattern: (4 + 2) x 8 MiB
 PROBE_BYTES = 64 * MiB  # file size of each probed pattern
 PROBE_SECONDS = 2.0  # the probe stops starting patterns after this, and chooses among those it measured
+# Where reads and writes reach the disk: direct I/O (Linux, Windows) and macOS's F_NOCACHE.
+PROBED_MODES = (*fileos.DIRECT_MODES, "f_nocache")
 TIE = 0.10  # patterns this close to the best score count as equal: the default stays, else the least staging wins
 
 
@@ -54,11 +56,6 @@ class IOPattern:
     @property
     def label(self) -> str:
         return label(self.request, self.depth)
-
-    @property
-    def staging_bytes(self) -> int:
-        """Write staging this pattern holds while layers are written (see `filewrite.Writer`)."""
-        return (self.depth + 2) * self.request
 
     def as_dict(self) -> Dict[str, object]:
         return {"request_bytes": self.request, "in_flight": self.depth, "pattern": self.label, "chosen": self.chosen,
@@ -122,7 +119,7 @@ def _no_probe(cache_mode: str, ram_fs: Optional[str]) -> Optional[str]:
         return "KV_OFFLOAD_IO_PROBE=0"
     if ram_fs is not None:
         return f"on {ram_fs}, which keeps files in RAM: a probe would measure RAM"
-    if cache_mode not in fileos.DIRECT_MODES:
+    if cache_mode not in PROBED_MODES:
         return f"page cache {cache_mode}: a probe would measure the page cache, not the disk"
     return None
 
@@ -138,7 +135,7 @@ def probe(directory: str, cache_mode: str, candidates: Optional[List[Tuple[int, 
     """Measures `candidates` (default `CANDIDATES`) in `directory` and chooses one (see the module's doc).
 
     Leaves nothing behind, also when interrupted: the file is removed, the buffers freed, the threads stopped.
-    Raises `OSError` where the directory refuses the file (a full disk)."""
+    Raises `KVWriteError` (or `OSError`) where the directory refuses the file (a full disk)."""
     candidates = list(candidates or CANDIDATES)
     limit = PROBE_SECONDS if seconds is None else seconds
     nbytes = nbytes or PROBE_BYTES
@@ -175,13 +172,13 @@ def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: i
     through the same calls the tiers make (`reserve`, `pwrite_all`, `Handle.preadv`)."""
     nbytes = max(request, nbytes // request * request)
     path = os.path.join(directory, f".io-probe-{request // MiB}x{depth}")
-    ring = [HostBuffer(request) for _ in range(depth)]
-    pool = iopool.IOPool(depth, "kv_offload_probe")
-    f, views = None, []
-    try:
-        for buf in ring:
-            buf.tensor.fill_(1)  # touched now, so no page fault is timed
-            views.append(buf.memory())
+    ring, views, f, pool = [], [], None, None
+    try:  # from the first allocation on: an interrupt anywhere frees what was made
+        for _ in range(depth):
+            ring.append(HostBuffer(request))
+            ring[-1].tensor.fill_(1)  # touched now, so no page fault is timed
+            views.append(ring[-1].memory())
+        pool = iopool.IOPool(depth, "kv_offload_probe")
         f = reserve(path, nbytes, cache_mode)
         write = timed(pool, nbytes, request, lambda i, off: pwrite_all(f, views[i % depth], off, path))
         f.close()
@@ -189,7 +186,7 @@ def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: i
         read = timed(pool, nbytes, request, lambda i, off: fileio.pread_exact(f, views[i % depth], off, path))
         return {"write": write, "read": read}
     finally:
-        stuck = pool.shutdown(iopool.io_timeout())
+        stuck = pool.shutdown(iopool.io_timeout()) if pool is not None else []
         if not stuck:  # a request stuck in the kernel keeps its descriptor and buffer (never freed under it)
             if f is not None:
                 f.close()

@@ -1,7 +1,8 @@
 """The file tiers' request size and requests in flight, fitted to the disk (`offload_core.tiers.diskfit`).
 
 The rest of the suite fixes the pattern (`KV_OFFLOAD_IO_PROBE=0` in the tests' conftest); here the probe runs,
-on this machine's real disk, with the calls the tiers make.
+on this machine's real disk, with the calls the tiers make, through this system's `os` and through the macOS
+and Windows stand-ins (`simplatform.py`).
 """
 
 import os
@@ -31,7 +32,7 @@ def probing(monkeypatch):
 
 def _direct_mode(directory) -> str:
     mode = fileio.probe_page_cache_mode(str(directory), True)
-    if mode not in ("o_direct", "no_buffering"):
+    if mode not in diskfit.PROBED_MODES:
         pytest.skip(f"{directory} refuses direct I/O ({mode}): no probe runs there")
     return mode
 
@@ -128,11 +129,14 @@ def test_the_probe_runs_once_per_filesystem_even_from_two_threads(tmp_path, prob
     assert diskfit.pattern_for(str(tmp_path), "fadvise", None).chosen == "default"  # another cache mode: not probed
 
 
-def test_no_probe_where_it_would_measure_ram_or_the_page_cache(tmp_path, probing, monkeypatch, mount_tmpfs):
+def test_no_probe_where_it_would_measure_ram_or_the_page_cache(tmp_path, probing, monkeypatch, mount_tmpfs, system):
     monkeypatch.setattr(diskfit, "probe", lambda *a: pytest.fail("probed"))
-    fit = diskfit.pattern_for(str(tmp_path), "fadvise", None)
-    assert (fit.chosen, fit.request, fit.depth) == ("default", fileio.CHUNK, iopool.IO_DEPTH)
-    assert "page cache" in fit.reason
+    for cache_mode in ("fadvise", "buffered", "off"):
+        fit = diskfit.pattern_for(str(tmp_path), cache_mode, None)
+        assert (fit.chosen, fit.request, fit.depth) == ("default", fileio.CHUNK, iopool.IO_DEPTH)
+        assert "page cache" in fit.reason
+    if system.name != "linux":
+        return  # a RAM disk of macOS or Windows looks like an ordinary volume: nothing to tell it by
     ram = mount_tmpfs("8m")
     with KVStore(OffloadConfig(mode="file_sync", file_dir=ram), "cpu") as store:
         store.put(0, torch.ones(8), torch.ones(8))
