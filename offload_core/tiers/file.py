@@ -72,7 +72,7 @@ class FileTier(Tier):
                          "RAM here; point `file_dir` at a disk, or use a RAM mode")
             log.warning("KV offload: %s.", self.note)
         self.io = diskfit.pattern_for(self.directory, self.cache_mode, self.ram_fs)  # request size, requests at once
-        self._chunks = IOPool(self.io.depth, "kv_offload_io")
+        self._chunks = IOPool(self.io.reads, "kv_offload_io")  # writes take at most their staging's worth of them
         self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
         for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
             self._lanes[name] = IOPool(1, f"kv_offload_{name}")
@@ -80,7 +80,7 @@ class FileTier(Tier):
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
         self._writer = Writer(ctx, self.directory, self.cache_mode, self.io.request, self._chunks, self._hashes,
-                              self._lanes["write"], self._stuck)
+                              self._lanes["write"], self._stuck, writes=self.io.depth)
         reads = {name: lane for name, lane in self._lanes.items() if name.startswith("read")}
         self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
 

@@ -93,12 +93,13 @@ class Writer:
     write error."""
 
     def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunk: int, chunks: IOPool, hashes: IOPool,
-                 lane: IOPool, stuck: List[str]):
+                 lane: IOPool, stuck: List[str], writes: int = 0):
         self._ctx, self.directory, self.cache_mode, self.chunk = ctx, directory, cache_mode, chunk
         self._chunks, self._hashes, self._lane, self._stuck = chunks, hashes, lane, stuck
-        # A chunk per request in flight, one being checksummed and one being copied: the disk's queue stays
-        # full while the consumer copies the next chunk.
-        self.staging = StagingPool(ctx.allocator, chunks.workers + 2, "write")
+        # A chunk per write in flight (`writes`, default one per I/O thread), one being checksummed and one being
+        # copied: the disk's queue stays full while the consumer copies the next chunk. The I/O threads may be
+        # more (reads want more in flight than this staging allows writes); the staging bounds the writes.
+        self.staging = StagingPool(ctx.allocator, (writes or chunks.workers) + 2, "write")
         self.failed: Optional[BaseException] = None
         self._writing = 0  # layers queued or being written; changed under _count_lock
         self._trim_queued = False

@@ -37,17 +37,53 @@ def _direct_mode(directory) -> str:
     return mode
 
 
-def test_choose_takes_the_best_worse_side_and_the_least_staging_among_ties():
+def test_choose_takes_the_best_worse_side_and_the_most_in_flight_among_ties():
     figures = {
         (8 * MiB, 4): {"write": 3.0, "read": 1.0},  # the best write, a poor read
         (4 * MiB, 8): {"write": 2.0, "read": 2.0},  # worse side 2/3 of the best write
         (2 * MiB, 16): {"write": 2.7, "read": 2.0},  # worse side 0.9 of the best: the winner
     }
     assert diskfit.choose(figures) == (2 * MiB, 16)
-    figures[(4 * MiB, 4)] = {"write": 2.5, "read": 1.95}  # within TIE of the winner, 24 MiB of staging against 36
-    assert diskfit.choose(figures) == (4 * MiB, 4)
+    figures[(4 * MiB, 4)] = {"write": 2.5, "read": 1.95}  # within TIE of the winner, 16 MiB in flight against 32
+    assert diskfit.choose(figures) == (2 * MiB, 16)
+    figures[(4 * MiB, 8)] = {"write": 2.6, "read": 1.95}  # 32 MiB in flight too, on fewer threads
+    assert diskfit.choose(figures) == (4 * MiB, 8)
     figures[(8 * MiB, 4)] = {"write": 2.55, "read": 1.9}  # the default, within TIE too: it stays
     assert (8 * MiB, 4) == diskfit.default() and diskfit.choose(figures) == (8 * MiB, 4)
+
+
+def test_reads_get_their_own_depth_beyond_the_write_bound():
+    figures = {(8 * MiB, 4): {"write": 3.0, "read": 1.2}, (4 * MiB, 4): {"write": 2.4, "read": 2.1}}
+    reads = {(8 * MiB, 8): 2.6, (8 * MiB, 16): 2.65}  # 8 MiB reads want 8 in flight; 16 gain nothing more
+    assert diskfit.choose(figures) == (4 * MiB, 4)  # by the patterns' own reads alone the default loses
+    assert diskfit.choose(figures, reads) == (8 * MiB, 4)  # its read side is its best read at any depth
+    assert diskfit.read_depth(reads, figures, 8 * MiB, 4) == 8  # the fewest within READ_TIE of the best
+    assert diskfit.read_depth({(8 * MiB, 8): 1.0}, figures, 8 * MiB, 4) == 4  # never fewer than the writes
+    assert diskfit.deeper_reads((8 * MiB, 4), diskfit.CANDIDATES) == (8, 16)  # 8 MiB's deepest write pattern
+    assert diskfit.deeper_reads((8 * MiB, 2), diskfit.CANDIDATES) == ()  # measured once per request size
+    assert diskfit.deeper_reads((2 * MiB, 16), diskfit.CANDIDATES) == ()
+    assert diskfit.IOPattern(8 * MiB, 4, "probe", read_depth=16).label == "8MiBx4/r16"
+    assert diskfit.IOPattern(8 * MiB, 4, "probe").label == "8MiBx4"
+
+
+def test_a_store_reads_with_more_requests_than_its_write_staging_allows(tmp_path, monkeypatch):
+    """Reads on 8 threads, writes within 2 + 2 staging buffers: every byte back, in both file modes."""
+    fit = diskfit.IOPattern(1 * MiB, 2, "probe", "stand-in", read_depth=8)
+    monkeypatch.setattr(diskfit, "pattern_for", lambda *a: fit)
+    k = torch.randn(5 * MiB // 4 + 3)  # 5 MiB and 12 bytes a tensor: 11 chunks a layer, the last one short
+    for mode in ("file_sync", "file_async"):
+        with KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu") as store:
+            for key in range(4):
+                store.put(key, k + key, -k)
+            store.flush()
+            tier = store._tiers["file"]
+            assert tier._chunks.workers == 8 and len(tier._writer.staging._all) == 4
+            assert store.stats()["file_io"]["pattern"] == "1MiBx2/r8"
+            for _ in range(2):
+                for key in range(4):
+                    got_k, got_v = store.get(key)
+                    assert torch.equal(got_k, k + key) and torch.equal(got_v, -k)
+    assert os.listdir(tmp_path) == []
 
 
 def test_every_candidate_stays_within_the_staging_the_fixed_pattern_held():
@@ -63,8 +99,11 @@ def test_a_probe_measures_each_pattern_with_the_tiers_calls_and_leaves_nothing(t
     mode = _direct_mode(tmp_path)
     fit = diskfit.probe(str(tmp_path), mode, candidates=SMALL, nbytes=8 * MiB)
     assert fit.chosen == "probe" and (fit.request, fit.depth) in SMALL
-    assert set(fit.probe) == {diskfit.label(*p) for p in SMALL}
-    assert all(f["write"] > 0 and f["read"] > 0 for f in fit.probe.values())
+    deeper = {f"{diskfit.label(1 * MiB, d)}/read" for d in (8, 16)} | {f"{diskfit.label(2 * MiB, d)}/read"
+                                                                       for d in (4, 8, 16)}
+    assert set(fit.probe) == {diskfit.label(*p) for p in SMALL} | deeper  # reads beyond the write bound too
+    assert all(f.get("write", 1) > 0 and f["read"] > 0 for f in fit.probe.values())
+    assert fit.reads >= fit.depth and fit.reads in (1, 2, 4, 8, 16)
     assert os.listdir(tmp_path) == []
     assert not [t for t in threading.enumerate() if t.name.startswith("kv_offload_probe")]
 
@@ -88,7 +127,8 @@ def test_a_store_uses_the_probed_pattern_and_its_files_say_so(tmp_path, probing,
             io = store.stats()["file_io"]
             assert io["chosen"] == "probe" and (io["request_bytes"], io["in_flight"]) in SMALL
             tier = store._tiers["file"]
-            assert tier._chunks.workers == io["in_flight"]
+            assert tier._chunks.workers == io["reads_in_flight"] >= io["in_flight"]
+            assert len(tier._writer.staging._all) == io["in_flight"] + 2
             path = os.path.join(tier.directory, "layer-00000.safetensors")
             with open(path, "rb") as f:
                 head = f.read(4096)
