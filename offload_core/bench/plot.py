@@ -24,8 +24,8 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def _spread_sideways(xs: list[float]) -> list[float]:
-    """Rows at one memory figure, moved apart by 1.5 % of the axis each so that none hides another."""
-    step = 0.015 * ((max(xs) - min(xs)) or 1.0)
+    """Rows at one memory figure, moved apart by 5 % of the axis each so that none hides another (nor the ring)."""
+    step = 0.05 * ((max(xs) - min(xs)) or 1.0)
     out = list(xs)
     for x in set(xs):
         same = [i for i, other in enumerate(xs) if other == x]
@@ -61,7 +61,7 @@ def write_plot(path: str, rows: list[dict], headline: str, device: str, footer: 
                 label="nothing beats these (Pareto front)")
     pick = next((i for i, r in enumerate(rows) if r["key"] == recommended), None)
     if pick is not None:
-        ax.scatter([xs[pick]], [ys[pick]], s=400, facecolors="none", edgecolors="black", linewidths=2, zorder=3,
+        ax.scatter([xs[pick]], [ys[pick]], s=300, facecolors="none", edgecolors="black", linewidths=2, zorder=3,
                    label=f"recommended: {rows[pick]['label']}")
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_xlabel(f"{memory_axis(rows, device)}  \u2190 less is better")

@@ -15,9 +15,9 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MiB:,.1f}"
 
 
-def _kv_tiers(kv: dict) -> str:
-    parts = [f"{name}={_mib(kv[tier])}" for tier, name in
-             ((DEVICE, "dev"), (PINNED, "pin"), (PAGEABLE, "ram"), (FILE, "file")) if kv[tier]]
+def _kv_places(kv: dict) -> str:
+    parts = [f"{name}={_mib(kv[place])}" for place, name in
+             ((DEVICE, "dev"), (PINNED, "pin"), (PAGEABLE, "ram"), (FILE, "file")) if kv[place]]
     return " ".join(parts) or "-"
 
 
@@ -32,11 +32,17 @@ def _error(r: dict) -> str:
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Set each row's `ratio_to_gpu`: latency over the `gpu, upstream lifetime` row's (None if not measured)."""
-    base = next((r["latency_s"] for r in rows if r["key"] == BASELINE_KEY), None)
-    base = base or next((r["latency_s"] for r in rows if r["key"] == "gpu"), None)
+    """Set each row's `ratio_to_gpu`: latency over the ratio base's (None if neither base row ran)."""
+    base = ratio_base(rows)
     for row in rows:
-        row["ratio_to_gpu"] = row["latency_s"] / base if base else None
+        row["ratio_to_gpu"] = row["latency_s"] / base["latency_s"] if base and base["latency_s"] else None
+
+
+def ratio_base(rows: list[dict]) -> dict | None:
+    """The row the `x gpu` column divides by: `gpu, upstream lifetime` where it ran, else `gpu, pre-VAE cleanup`
+    (the default rows run only the latter)."""
+    return next((r for r in rows if r["key"] == BASELINE_KEY), None) or next(
+        (r for r in rows if r["key"] == "gpu"), None)
 
 
 def device_memory_column(rows: list[dict]) -> tuple[str, str]:
@@ -69,7 +75,7 @@ def verdict_lines(verdict: dict, cautions: list[str]) -> list[str]:
 def table(rows: list[dict], hardware_line: str, settings: str, verdict: dict | None = None,
           cautions: tuple = ()) -> str:
     field, device_header = device_memory_column(rows)
-    headers = ["mode", "median s", "range s", "x gpu", device_header, "peak RSS MiB", "KV MiB per tier",
+    headers = ["row", "median s", "range s", "x gpu", device_header, "peak RSS MiB", "KV MiB per place",
                "exposed wait s"]
     lossy = any(r.get("kv_error") for r in rows)
     if lossy:
@@ -78,7 +84,7 @@ def table(rows: list[dict], hardware_line: str, settings: str, verdict: dict | N
     for r in rows:
         ratio = "-" if r["ratio_to_gpu"] is None else f"{r['ratio_to_gpu']:.2f}"
         body.append([r["label"], f"{r['latency_s']:.3f}", _range(r), ratio, _mib(r[field]), _mib(r["peak_rss"]),
-                     _kv_tiers(r["kv_bytes"]), f"{r['exposed_wait_s']:.3f}", *([_error(r)] if lossy else [])])
+                     _kv_places(r["kv_bytes"]), f"{r['exposed_wait_s']:.3f}", *([_error(r)] if lossy else [])])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(headers)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) if i in (0, 6, 8) else c.rjust(w)  # noqa: E731
                                           for i, (c, w) in enumerate(zip(cells, widths))) + " |"
@@ -86,12 +92,15 @@ def table(rows: list[dict], hardware_line: str, settings: str, verdict: dict | N
     notes = [f"Hardware: {hardware_line}", f"Settings: {settings}",
              "Range: the fastest and slowest timed request of the row; ! where they differ by more than "
              f"{SPREAD_LIMIT:.0%} of the median."]
+    base = ratio_base(rows)
+    if base:
+        notes.append(f"x gpu: latency over the '{base['label']}' row's.")
     if field == "peak_kv_device":
         notes.append("No CUDA allocator here: the device column is the peak of K/V bytes resident on the compute "
                      "device (the engine's figure; for the unpatched rows, the pipeline's own cache).")
     fallbacks = sorted({reason for r in rows for reason in r["reasons"] if "→" in reason or "->" in reason})
     if fallbacks:
-        notes.append("Tier fallbacks: " + "; ".join(fallbacks))
+        notes.append("Mode fallbacks: " + "; ".join(fallbacks))
     unpinned = [r["label"] for r in rows if r.get("pinned_fallback")]
     if unpinned:
         notes.append(f"Pinned memory refused or over budget, pageable copies used instead: {', '.join(unpinned)}")
