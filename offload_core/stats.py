@@ -85,7 +85,8 @@ class StoreStats:
         return {
             "v": STATS_VERSION,
             **self._facts,
-            "tier": now.tier,
+            "mode": now.tier,  # the mode in effect
+            "tier": now.tier,  # deprecated alias of "mode", kept for one release
             "reason": now.reason,
             "layers": now.layers,
             "bytes": places,

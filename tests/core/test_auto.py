@@ -75,3 +75,10 @@ def test_a_temp_dir_that_is_no_directory_is_refused_before_the_file_place_opens(
         with pytest.raises(ValueError, match=r"HostServices: `temp_dir` returned .*missing.*existing directory"):
             store.put(0, torch.ones(1, 2, 16, 8), torch.ones(1, 2, 16, 8))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stats_name_the_mode_in_effect_and_keep_tier_as_its_alias():
+    stats = run_auto(HostServices(free_device_memory=lambda d: 64 * GiB, free_host_memory=lambda: 64 * GiB),
+                     expected_bytes=2 * GiB)
+    assert stats["mode"] == "gpu"
+    assert stats["tier"] == stats["mode"]  # deprecated alias, kept for one release
