@@ -14,11 +14,13 @@ FluxKVCache interplay (no double caching):
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
-from ..offload_core import Mode, OffloadConfig
+from ..offload_core.config import Mode, OffloadConfig
 from .families import detect_family
+from .keys import PATCHES, TRANSFORMER_OPTIONS
 from .patches import is_flux_kv_cache_patch, is_ours
+from .readout import guarded
 from .reuse import REUSE
 from .wrappers import RunSpec, add_cache_wrappers, add_readout_wrappers, remove_wrappers
 
@@ -27,12 +29,13 @@ log = logging.getLogger(__name__)
 PATCH_KINDS = ("attn1_patch", "post_input")  # where FluxKVCache and our attention family put their patches
 
 
-def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory: Callable, telemetry=None,
-                  reuse: bool = False):
+def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=None, reuse: bool = False,
+                  store_factory: Optional[Callable] = None):
     """Return `(patched clone, message)`; the input MODEL is never modified.
 
-    host(model_patcher) -> HostServices, evaluated once per run. store_factory: `KVStore`. reuse: keep
-    Qwen-Image 2.1 prefixes across runs (see `nodes/reuse.py`); off for the other families, whatever is asked.
+    host(model_patcher) -> HostServices, evaluated once per run. reuse: keep Qwen-Image 2.1 prefixes across runs
+    (see `nodes/reuse.py`); off for the other families, whatever is asked. store_factory: None, each run's
+    stores are `KVStore`s (`RunState.open_store`); tests pass a stand-in.
     """
     m = model.clone()
     dm = m.get_model_object("diffusion_model")
@@ -43,19 +46,19 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, store_factory
                         "that have it, Wan Animate 2); model unchanged.")
     REUSE.decided(family.name, reuse and config.mode is not Mode.OFF)
     _strip_patches(m, config.mode)
-    to = m.model_options.setdefault("transformer_options", {})
+    to = m.model_options.setdefault(TRANSFORMER_OPTIONS, {})
     config, notes = family.patch(m, dm, config, to, reuse)
     if config.mode is Mode.OFF:
         add_readout_wrappers(m, telemetry)
         return m, _said(logging.INFO, f"KV Offload: mode off on {family.name}: the prefix is recomputed every step.")
-    add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family),
-                       store_factory, telemetry)
+    add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family,
+                                  telemetry=guarded(telemetry), store_factory=store_factory))
     return m, _said(logging.INFO, " ".join([f"KV Offload: mode {config.mode.value} on {family.name}.", *notes]))
 
 
 def _strip_patches(m, mode: Mode) -> None:
     """Remove FluxKVCache's and earlier KV Offload patches, wrappers and run spec from the clone."""
-    patches = m.model_options.get("transformer_options", {}).get("patches", {})
+    patches = m.model_options.get(TRANSFORMER_OPTIONS, {}).get(PATCHES, {})
     removed = []
     for name in PATCH_KINDS:
         kept = []

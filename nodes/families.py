@@ -2,7 +2,7 @@
 
 FLUX.2 Klein KV and Qwen-Image(-Edit) take the reference K/V at the attention (`nodes/patches.py`),
 Qwen-Image 2.1 through the model's own prefix-cache seam (`nodes/qwen21.py`), Wan Animate 2 through its
-pose-branch cache (`nodes/wan.py`). No ComfyUI import.
+pose cache (`nodes/wan.py`). No ComfyUI import.
 """
 
 from __future__ import annotations

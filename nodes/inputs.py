@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..offload_core import Mode, OffloadConfig
+from ..offload_core.config import Mode, OffloadConfig
 from ..offload_core.places import MiB
 
 MODES = [m.value for m in Mode]

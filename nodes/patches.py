@@ -18,7 +18,9 @@ from typing import Any, Optional
 import torch
 
 from ..offload_core import Mode
-from .state import CACHED, EXTRACT, RUN_KEY, RunState
+from .branch import CACHED, CAPTURE
+from .keys import COND_OR_UNCOND, RUN_KEY, TRANSFORMER_OPTIONS, UUIDS, WRAPPER_KEY
+from .state import RunState
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def live_run(to: dict) -> Optional[RunState]:
 def branch_keys(to: dict) -> list:
     """The branches of this forward's conds: their uuids, with the thread's device under multi-GPU sampling (a
     cond moved to another device is captured there anew: a store serves one thread)."""
-    uuids = list(to.get("uuids") or [])
+    uuids = list(to.get(UUIDS) or [])
     device = to.get(MULTI_GPU_KEY)
     return uuids if device is None else [(str(device), u) for u in uuids]
 
@@ -69,7 +71,7 @@ class RefKVAttention:
     def __call__(self, q, k, v, extra_options=None, **kwargs):
         run = live_run(extra_options or {})
         fwd = run.forward if run is not None else None
-        if fwd is None or fwd.phase not in (EXTRACT, CACHED):
+        if fwd is None or fwd.phase not in (CAPTURE, CACHED):
             return {}
         layer = (extra_options.get("block_type"), extra_options.get("block_index"))
         rows, ref = fwd.rows, fwd.ref_tokens
@@ -82,8 +84,8 @@ class RefKVAttention:
                                    "use mode 'off' with it.")
             run.stand_down(why + ", so the reference tokens cannot be located")
             return {}
-        if fwd.phase == EXTRACT:
-            kinds = extra_options.get("cond_or_uncond") or []
+        if fwd.phase == CAPTURE:
+            kinds = extra_options.get(COND_OR_UNCOND) or []
             for i, u in enumerate(fwd.uuids):
                 if u in fwd.capture:
                     rs = slice(i * rows, (i + 1) * rows)
@@ -107,7 +109,7 @@ class RefKVAttention:
 
 def post_input_patch(inputs: dict) -> dict:
     """`post_input`: decides the phase of this forward and drops the reference tokens when cached."""
-    to = inputs.get("transformer_options") or {}
+    to = inputs.get(TRANSFORMER_OPTIONS) or {}
     run = live_run(to)
     if run is None:
         return inputs
@@ -133,7 +135,7 @@ def is_flux_kv_cache_patch(p) -> bool:
 
 
 def is_ours(p) -> bool:
-    return bool(getattr(p, "kv_offload", False))
+    return bool(getattr(p, WRAPPER_KEY, False))
 
 
 # --- the FLUX.2 Klein KV and Qwen-Image(-Edit) families --------------------------------------------------------

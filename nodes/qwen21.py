@@ -2,7 +2,7 @@
 
 Newer ComfyUI (not v0.33.0) gives `QwenImage21Transformer2DModel` its own prefix K/V cache: per forward it
 calls `self.select_prefix_cache(key, cache_bytes, device, options)` -> `(cache, filled)` and then, per
-block, `cache.put(i, kv)` (kv: (B, 2, P, H, D), K after RoPE) on the filling pass, `cache.take(i, device,
+block, `cache.put(i, kv)` (kv: (B, 2, P, H, D), K after RoPE) on the capture, `cache.take(i, device,
 dtype, B)` -> (B, 2, P, H, D) on every pass and `cache.prefetch(i + 1, device, dtype)` on cached passes;
 `options` is `transformer_options["qwen_image21_cache"]`. The model turns its cache off whenever an
 `attn1_patch`, `post_input`, `single_block` patch or `dit` replacement is present, so for 2.1 we hook no
@@ -20,15 +20,17 @@ from typing import Callable, Optional
 
 import torch
 
-from ..offload_core import Mode
+from ..offload_core.config import Mode
+from .branch import BranchCache
 from .cache_dtype import storage_for_qwen21
+from .keys import OUR_PATCH, QWEN21_OFF, QWEN21_OPTIONS, RUN_KEY
 from .patches import repeat_to_batch_size
 from .reuse import REUSE, ReusableStore
-from .state import RUN_KEY, Branch
 
 log = logging.getLogger(__name__)
 
-OPTIONS_KEY = "qwen_image21_cache"
+OPTIONS_KEY = QWEN21_OPTIONS
+PREFIX_ENTRIES = object()  # the run's extension key of this family's `PrefixStoreCache`
 
 
 def qwen21_support() -> str:
@@ -53,80 +55,81 @@ def has_prefix_cache(diffusion_model) -> bool:
 class PrefixStoreCache:
     """`PoseBranchCache`-shaped view of one run's stores: select / filled / put / take / prefetch / free.
 
-    The slot selected by `select(key)` is one engine store. The store learns the layer order on the
-    filling pass and prefetches on its own, so `prefetch` has nothing left to do.
+    The prefix entry selected by `select(key)` is one engine store. The store learns the layer order on the
+    capture and prefetches on its own, so `prefetch` has nothing left to do.
     """
 
     def __init__(self, run, n_blocks: int, reuse=None, dm=None):
         self.run = run
         self.n_blocks = n_blocks
-        self.slots: list = []  # [(key tensor, branch id)]
-        self.slot = None
+        self.entries: list = []  # [(key tensor, branch id)]: the prefix entries
+        self.entry = None
         self._fresh: dict = {}
         self._ids = itertools.count()
         self.reuse, self.dm = reuse, dm  # reuse: a `NodeReuse` (prefixes kept across runs), else None
-        self._reuse_keys: dict = {}  # branch id -> the key its fill is kept under
+        self._reuse_keys: dict = {}  # branch id -> the key its capture is kept under
+        self.model_state = None  # the model's fingerprint, read once per run: its conds share the model
 
     def select(self, key: torch.Tensor, create: bool = True) -> bool:
         self._fresh.clear()
-        self.slot = None
-        for k, sid in self.slots:
+        self.entry = None
+        for k, sid in self.entries:
             if k.shape == key.shape and torch.equal(k, key.to(k.device)):
                 if self.filled(self.n_blocks, sid):
-                    self.slot = sid
+                    self.entry = sid
                     return True
-                # a fill pass that did not finish (interrupt, error): never serve it, start over
+                # a capture that did not finish (interrupt, error): never serve it, start over
                 self._remove(sid)
                 break
         if not create:
             return False
         sid = ("qwen21", next(self._ids))
-        self.run.branches[sid] = Branch()
-        self.slots.append((key.detach().clone(), sid))
-        self.slot = sid
+        self.run.branches[sid] = BranchCache()
+        self.entries.append((key.detach().clone(), sid))
+        self.entry = sid
         return True
 
     def _remove(self, sid) -> None:
-        self.slots = [(k, s) for k, s in self.slots if s != sid]
+        self.entries = [(k, s) for k, s in self.entries if s != sid]
         self.run.drop_branch(sid)
 
     def filled(self, num_blocks: int, sid=None) -> bool:
-        branch = self.run.branches.get(self.slot if sid is None else sid)
+        branch = self.run.branches.get(self.entry if sid is None else sid)
         return branch is not None and len(branch.layers) == num_blocks
 
     def adopt(self, key: torch.Tensor) -> bool:
-        """Select a prefix kept by an earlier run for `key` (a hit: no fill pass), else remember its reuse key."""
-        reuse_key = self.reuse.key(self.dm, key, self.run)
+        """Select a prefix kept by an earlier run for `key` (a hit: no capture), else remember its reuse key."""
+        reuse_key, self.model_state = self.reuse.key(self.dm, key, self.run, self.model_state)
         entry = self.reuse.registry.lookup(reuse_key) if reuse_key is not None else None
         if entry is None:
             self.select(key)
             if reuse_key is not None:
-                self._reuse_keys[self.slot] = reuse_key
+                self._reuse_keys[self.entry] = reuse_key
             return False
         sid = ("qwen21", next(self._ids))
         name = self.run.unique_name("cond")
-        self.run.branches[sid] = Branch(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
+        self.run.branches[sid] = BranchCache(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
                                         layers=set(range(self.n_blocks)), complete=True, name=name)
         self.run.track_store(name, entry.store)
-        self.slots.append((key.detach().clone(), sid))
-        self.slot = sid
+        self.entries.append((key.detach().clone(), sid))
+        self.entry = sid
         return True
 
     def put(self, i: int, t: torch.Tensor) -> None:
         """t: (B, 2, P, H, D) stacked K/V of block i; the store takes its own copy."""
-        self.run.put(self.slot, i, t[:, 0], t[:, 1])
-        if self.slot in self._reuse_keys:  # kept when the run closes it, if the fill completed
-            branch = self.run.branches[self.slot]
-            branch.store = ReusableStore(branch.store, self.reuse.registry, key=self._reuse_keys.pop(self.slot),
+        self.run.put(self.entry, i, t[:, 0], t[:, 1])
+        if self.entry in self._reuse_keys:  # kept when the run closes it, if the capture completed
+            branch = self.run.branches[self.entry]
+            branch.store = ReusableStore(branch.store, self.reuse.registry, key=self._reuse_keys.pop(self.entry),
                                          n_layers=self.n_blocks, label=branch.name)
-        self._fresh[i] = t  # the fill pass reads it back at once: serve the model's own tensor
+        self._fresh[i] = t  # the capture reads it back at once: serve the model's own tensor
 
     def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
         t = self._fresh.pop(i, None)
         if t is None or self.run.config.storage != "exact":
-            # Lossy storage: the filling pass attends to the decoded prefix too, as every later pass and a reuse
+            # Lossy storage: the capture attends to the decoded prefix too, as every later pass and a reuse
             # hit do, so the image does not depend on whether the prefix was just made or kept.
-            k, v = self.run.get(self.slot, i)
+            k, v = self.run.get(self.entry, i)
             t = torch.stack([k, v], dim=1)  # a copy: the store's buffers are reused by its next get
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
@@ -137,10 +140,10 @@ class PrefixStoreCache:
 
     def free(self) -> None:
         self._fresh.clear()
-        for _, sid in list(self.slots):
+        for _, sid in list(self.entries):
             self.run.drop_branch(sid)
-        self.slots = []
-        self.slot = None
+        self.entries = []
+        self.entry = None
 
 
 def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> Callable:
@@ -148,7 +151,7 @@ def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> C
 
     With a run of ours in `options` it returns our cache; without one (our run stood down) it defers to the
     model's own method, so the model behaves exactly as without the node. `reuse` (a `NodeReuse`): a key this
-    run has no slot for is looked up among the prefixes kept by earlier runs first.
+    run has no prefix entry for is looked up among the prefixes kept by earlier runs first.
     """
 
     def select_prefix_cache(key, cache_bytes, device, options):
@@ -158,11 +161,12 @@ def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> C
             return original(key, cache_bytes, device, options)
         if run.stood_down:  # multi-GPU threads: `original` is bound to one device's model, so no cache at all
             return None, False
-        if options.get("device") == "off":
+        if options.get(QWEN21_OFF[0]) == QWEN21_OFF[1]:
             return None, False
-        cache: Optional[PrefixStoreCache] = getattr(run, "prefix_cache", None)
+        cache: Optional[PrefixStoreCache] = run.extension(PREFIX_ENTRIES)
         if cache is None:
-            cache = run.prefix_cache = PrefixStoreCache(run, n_blocks, reuse, getattr(original, "__self__", None))
+            dm = getattr(original, "__self__", None)  # a bound method of the model; None for a plain function
+            cache = run.add_extension(PREFIX_ENTRIES, PrefixStoreCache(run, n_blocks, reuse, dm))
         if cache.select(key, create=False):
             return cache, True
         if reuse is not None and cache.dm is not None:
@@ -187,12 +191,12 @@ def patch_qwen21(m, dm, config, to: dict, reuse: bool) -> "tuple[object, list]":
     if note:
         log.warning(note)
     if config.mode is Mode.OFF:
-        opts["device"] = "off"
+        opts[QWEN21_OFF[0]] = QWEN21_OFF[1]
     else:
-        if opts.get("device") == "off":  # an upstream "off" would stop the model asking for our cache
-            del opts["device"]
+        if opts.get(QWEN21_OFF[0]) == QWEN21_OFF[1]:  # an upstream "off" would stop the model asking for our cache
+            del opts[QWEN21_OFF[0]]
         original = type(dm).select_prefix_cache.__get__(dm)  # the class's, not an earlier object patch
-        m.add_object_patch("diffusion_model.select_prefix_cache",
+        m.add_object_patch(OUR_PATCH,
                            make_select_prefix_cache(original, len(dm.transformer_blocks),
                                                     REUSE.watch_unload(m) if reuse else None))
     to[OPTIONS_KEY] = opts

@@ -31,11 +31,11 @@ import torch
 from ..offload_core.fingerprint import Unkeyable, model_state, plain
 from ..offload_core.places import FILE
 from ..offload_core.reuse import PrefixKey, PrefixRegistry, describe
+from .keys import (CALLBACKS, MODEL_FUNCTION_WRAPPER, ON_DETACH, OUR_PATCH, PATCHES, PATCHES_REPLACE, PER_STEP_OPTIONS,
+                   QWEN21_FAMILY, QWEN21_OPTIONS, RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY, WRAPPERS)
 
 log = logging.getLogger(__name__)
 
-OUR_PATCH = "diffusion_model.select_prefix_cache"
-ON_DETACH = "on_detach_after"  # comfy.patcher_extension.CallbacksMP.ON_DETACH
 FLUX_KV_REASON = ("off for FLUX.2 / Qwen-Image(-Edit): with FluxKVCache semantics the reference tokens attend to "
                   "the prompt and the noise on the capture step, so their K/V change with both")
 EXACT_REASON = "on: Qwen-Image 2.1's prefix is causal and modulated at t = 0, so a new seed or sampler reuses it"
@@ -54,28 +54,25 @@ class NodeReuse:
         self._last_warned: Optional[str] = None
 
     # -- keys ------------------------------------------------------------------------------------------------
-    def key(self, dm, key_tensor: torch.Tensor, run=None) -> Optional[PrefixKey]:
-        """The model's prefix key plus everything else that shapes the prefix (see the module docstring); None
-        when something that may change it cannot be read (then `refused` says what, and reuse is off)."""
-        patcher = getattr(run, "patcher", None) or getattr(dm, "current_patcher", None)
+    def key(self, dm, key_tensor: torch.Tensor, run, state=None) -> tuple:
+        """`(key, state)`: the model's prefix key plus everything else that shapes the prefix (see the module
+        docstring), None when something that may change it cannot be read (then `refused` says what, and reuse is
+        off); `state`: the model's fingerprint, passed back in by the caller so it is read once per run."""
+        patcher = run.patcher or getattr(dm, "current_patcher", None)
         objects = sorted((name, id(obj)) for name, obj in (getattr(patcher, "object_patches", None) or {}).items()
                          if name != OUR_PATCH)
         try:
-            state = getattr(run, "kv_model_state", None)  # read once per run: its conds share the model
             if state is None:
                 state = model_state(dm, key_tensor.device)
-                if run is not None:
-                    run.kv_model_state = state
-            options, tensors = forward_options(getattr(run, "model_options", None) or {})
+            options, tensors = forward_options(run.model_options or {})
         except Unkeyable as exc:
             self._refuse(str(exc))
-            return None
+            return None, state
         self.key_s, self.refused = state.seconds, None
-        storage = getattr(getattr(run, "config", None), "storage", None)
-        header = ("qwen_image21", id(dm), (state.identity, state.digest), str(getattr(patcher, "patches_uuid", None)),
-                  tuple(objects), str(key_tensor.device), storage, options)
+        header = (QWEN21_FAMILY, id(dm), (state.identity, state.digest), str(getattr(patcher, "patches_uuid", None)),
+                  tuple(objects), str(key_tensor.device), run.config.storage, options)
         self._watch(dm)
-        return PrefixKey.build(header, [key_tensor, *tensors])
+        return PrefixKey.build(header, [key_tensor, *tensors]), state
 
     def _refuse(self, why: str) -> None:
         self.refused = why
@@ -122,7 +119,7 @@ class NodeReuse:
 
     # -- reporting -------------------------------------------------------------------------------------------
     def decided(self, family: str, reuse: bool) -> None:
-        if family != "qwen_image21":
+        if family != QWEN21_FAMILY:
             self.status = {"on": False, "reason": FLUX_KV_REASON}
         elif not reuse:
             self.status = {"on": False, "reason": "off: the node's reuse input is off"}
@@ -143,10 +140,7 @@ REUSE = NodeReuse()
 
 # transformer_options entries that the prefix does not depend on: ours, and what ComfyUI sets per step or per
 # sampler (the prefix is modulated at t = 0, so sigmas and step counts do not reach it).
-OWN_OPTIONS = {"kv_offload_run", "kv_offload_spec"}
-PER_STEP_OPTIONS = {"sample_sigmas", "sigmas", "cond_or_uncond", "uuids", "total_blocks", "block_index", "block_type",
-                    "transformer_index"}
-OUR_WRAPPER = "kv_offload"
+OWN_OPTIONS = {RUN_KEY}
 
 
 def forward_options(model_options: dict) -> tuple:
@@ -154,17 +148,17 @@ def forward_options(model_options: dict) -> tuple:
     `transformer_options` entry (attention overrides, patches, wrappers and callbacks of other nodes, ComfyUI's
     own cache `dtype`) and a `model_function_wrapper`. Raises `Unkeyable` for what cannot be read as plain
     values (a function, an object): reuse is then off for the run."""
-    to = dict(model_options.get("transformer_options") or {})
+    to = dict(model_options.get(TRANSFORMER_OPTIONS) or {})
     for name in OWN_OPTIONS | PER_STEP_OPTIONS:
         to.pop(name, None)
-    cache = dict(to.pop("qwen_image21_cache", None) or {})
-    cache.pop("kv_offload_run", None)
-    to["wrappers"] = _without_ours(to.get("wrappers") or {})
-    to["callbacks"] = _without_ours(to.get("callbacks") or {})
-    for name in ("patches", "patches_replace", "wrappers", "callbacks"):
+    cache = dict(to.pop(QWEN21_OPTIONS, None) or {})
+    cache.pop(RUN_KEY, None)
+    to[WRAPPERS] = _without_ours(to.get(WRAPPERS) or {})
+    to[CALLBACKS] = _without_ours(to.get(CALLBACKS) or {})
+    for name in (PATCHES, PATCHES_REPLACE, WRAPPERS, CALLBACKS):
         to[name] = {k: v for k, v in (to.get(name) or {}).items() if v}  # empty groups change nothing
-    wrapper = model_options.get("model_function_wrapper")
-    return plain({"transformer_options": to, "qwen_image21_cache": cache, "model_function_wrapper": wrapper},
+    wrapper = model_options.get(MODEL_FUNCTION_WRAPPER)
+    return plain({TRANSFORMER_OPTIONS: to, QWEN21_OPTIONS: cache, MODEL_FUNCTION_WRAPPER: wrapper},
                  "the model options")
 
 
@@ -173,7 +167,7 @@ def _without_ours(groups: dict) -> dict:
     out = {}
     for kind, by_key in groups.items():
         kept = {key: [fn for fn in fns if getattr(fn, "__self__", None) is not REUSE]
-                for key, fns in (by_key or {}).items() if key != OUR_WRAPPER}
+                for key, fns in (by_key or {}).items() if key != WRAPPER_KEY}
         kept = {key: fns for key, fns in kept.items() if fns}
         if kept:
             out[kind] = kept
@@ -184,7 +178,8 @@ class ReusableStore:
     """One run's handle on a store that may outlive the run.
 
     Wraps a fresh store (filled this run, kept under `key` if complete when the run closes it) or a leased
-    registry entry (given back on close; evicted if a read failed). Everything else goes to the store.
+    registry entry (given back on close; evicted if a read failed). It serves what its callers use of a store
+    (get, put, flush, stats, close, closed, mode, reason, device, name); nothing else of the store is reachable.
     """
 
     def __init__(self, store, registry: PrefixRegistry, *, key: Optional[PrefixKey] = None, entry=None,
@@ -194,8 +189,30 @@ class ReusableStore:
         self._n_layers, self._label = n_layers, label
         self._damaged = self._done = False
 
-    def __getattr__(self, name):
-        return getattr(self._store, name)
+    @property
+    def mode(self):
+        return self._store.mode
+
+    @property
+    def reason(self) -> str:
+        return self._store.reason
+
+    @property
+    def device(self):
+        return self._store.device
+
+    @property
+    def name(self) -> str:
+        return self._store.name
+
+    def put(self, layer, k, v) -> None:
+        self._store.put(layer, k, v)
+
+    def flush(self) -> None:
+        self._store.flush()
+
+    def stats(self) -> dict:
+        return self._store.stats()
 
     @property
     def closed(self) -> bool:

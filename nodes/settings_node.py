@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..offload_core import KVStore
 from ..offload_core.config import MAX_PREFETCH_DEPTH
 from .apply import apply_offload
 from .host import comfy_host_services
@@ -58,7 +57,7 @@ class KVOffloadSettings(io.ComfyNode):
             display_name="KV Offload Settings",
             category="kv_offload",
             description="Moves the reference-image attention K/V cache of FLUX.2 Klein KV, Qwen-Image, "
-                        "Qwen-Image-Edit and Qwen-Image 2.1, and Wan Animate 2's pose-branch cache, out of VRAM "
+                        "Qwen-Image-Edit and Qwen-Image 2.1, and Wan Animate 2's pose cache, out of VRAM "
                         "and brings each layer back just before it is needed. " + qwen21_support(),
             inputs=[
                 io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1 or Wan Animate 2 model."),
@@ -94,6 +93,5 @@ class KVOffloadSettings(io.ComfyNode):
                                     ram_budget_mb)
         # the readout tags this node's runs with its id, so the node shows its own run
         telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if cls.hidden else TELEMETRY
-        patched, _ = apply_offload(model, config, host=comfy_host_services, store_factory=KVStore,
-                                   telemetry=telemetry, reuse=bool(reuse))
+        patched, _ = apply_offload(model, config, host=comfy_host_services, telemetry=telemetry, reuse=bool(reuse))
         return io.NodeOutput(patched)

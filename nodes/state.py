@@ -17,52 +17,19 @@ from __future__ import annotations
 import logging
 import threading
 import uuid as _uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from ..offload_core import KVWriteError
-from .telemetry import tell
+from ..offload_core.store import KVStore
+from ..offload_core.tiers import KVWriteError
+from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, RunExtension, layer_bytes
+from .keys import RUN_KEY  # noqa: F401  (re-exported: where the live RunState is found)
+from .readout import guarded
 
 log = logging.getLogger(__name__)
 
-RUN_KEY = "kv_offload_run"  # transformer_options key of the live RunState
-
-PASS, EXTRACT, CACHED = "pass", "extract", "cached"
 WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
-
-
-def layer_bytes(k: torch.Tensor, v: torch.Tensor) -> int:
-    """One layer's K and V as put (exact dtype, no alignment): what `KVStore`'s `expected_bytes` counts a layer as."""
-    return k.nbytes + v.nbytes
-
-
-@dataclass
-class Branch:
-    """The cached prefix of one cond: its store and what it was captured from."""
-
-    store: Any = None
-    ref_tokens: int = 0
-    rows: int = 0
-    layers: set = field(default_factory=set)
-    complete: bool = False
-    name: str = ""
-
-
-@dataclass
-class ForwardState:
-    """What the forward in progress does: pass through, capture (extract) or feed back (cached).
-
-    seq_len: the joint (text + image) length `post_input` left; the attention patch must see exactly that.
-    """
-
-    phase: str
-    uuids: list
-    rows: int = 0
-    ref_tokens: int = 0
-    capture: frozenset = frozenset()
-    seq_len: Optional[int] = None
 
 
 class RunState:
@@ -72,32 +39,33 @@ class RunState:
         config: `OffloadConfig` (mode other than "off").
         host: `HostServices` for this run (or None).
         n_layers: attention layers per forward (for the store's expected size).
-        store_factory: `KVStore`-compatible constructor (tests pass the real one).
-        telemetry: the telemetry hub or None.
+        store_factory: None: each store is a `KVStore`; tests pass a stand-in with its signature.
+        telemetry: the readout (the hub, a node's view of it) or None; every call is guarded (`nodes/readout.py`).
+        devices: the family serves multi-GPU sampling's threads (`live_run`).
+        patcher, model_options: the ModelPatcher sampling and the options that reach the forward (what prefix
+            reuse keys by).
     """
 
-    def __init__(self, config, host, n_layers: int, store_factory: Callable, telemetry=None, run_id: Optional[str] = None):
+    def __init__(self, config, host, n_layers: int, store_factory: Optional[Callable] = None, telemetry=None,
+                 run_id: Optional[str] = None, *, devices: bool = False, patcher=None,
+                 model_options: Optional[dict] = None):
         self.config = config
         self.host = host
         self.n_layers = max(int(n_layers), 1)
         self.store_factory = store_factory
-        self.telemetry = telemetry
+        self.telemetry = guarded(telemetry)
         self.run_id = run_id or _uuid.uuid4().hex[:12]
-        self.branches: dict[Hashable, Branch] = {}
+        self.branches: dict[Hashable, BranchCache] = {}
         self._local = threading.local()  # this thread's forward in progress (`forward`)
         self._active: dict[int, ForwardState] = {}  # thread ident -> its forward in progress
-        self.devices = False  # multi-GPU sampling: one forward per device's thread at a time (`live_run`)
+        self.devices = devices  # multi-GPU sampling: one forward per device's thread at a time
+        self.patcher, self.model_options = patcher, model_options
         self.forwards = 0
         self.closed = False
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
         self._lock = threading.Lock()
         self._warned = set()
-        # Set by the family's code for this run: what prefix reuse keys by, and the family's cache object.
-        self.patcher = None  # the ModelPatcher sampling (its weight-patch set)
-        self.model_options: Optional[dict] = None  # the options that reach the forward
-        self.kv_model_state = None  # the model's fingerprint, read once per run (`nodes.reuse`)
-        self.prefix_cache = None  # Qwen-Image 2.1's `PrefixStoreCache`
-        self.pose_cache = None  # Wan Animate 2's `PoseStoreCache`
+        self.extensions: dict[Hashable, RunExtension] = {}  # a family's own state, under its own key object
 
     # --- one forward -----------------------------------------------------------------------------------
     @property
@@ -117,7 +85,7 @@ class RunState:
         """Decide the phase of this forward; called from the post-input patch, before any block runs.
 
         cached: every cond in the batch has a complete capture with the same reference length -> the
-        reference tokens are dropped from the sequence and fed back from the stores. extract: the conds
+        reference tokens are dropped from the sequence and fed back from the stores. capture: the conds
         without one capture this forward (a half-captured cond from an aborted forward starts over).
         """
         uuids = list(uuids or [])
@@ -133,8 +101,8 @@ class RunState:
         with self._lock:
             for u in capture:
                 self.drop_branch(u)
-                self.branches[u] = Branch(ref_tokens=ref_tokens, rows=rows)
-        self.forward = ForwardState(EXTRACT, uuids, rows, ref_tokens, capture)
+                self.branches[u] = BranchCache(ref_tokens=ref_tokens, rows=rows)
+        self.forward = ForwardState(CAPTURE, uuids, rows, ref_tokens, capture)
         return self.forward
 
     def end_forward(self, ok: bool) -> None:
@@ -144,7 +112,7 @@ class RunState:
         try:
             self._end_forward(ok)
         finally:
-            tell(self.telemetry, "forward_done")
+            self.telemetry.forward_done()
 
     def _end_forward(self, ok: bool) -> None:
         fwd, self.forward = self.forward, None
@@ -153,7 +121,7 @@ class RunState:
             for u in fwd.uuids:
                 self.drop_branch(u)
             return
-        if fwd is None or fwd.phase != EXTRACT:
+        if fwd is None or fwd.phase != CAPTURE:
             return
         for u in fwd.capture:
             branch = self.branches.get(u)
@@ -199,7 +167,7 @@ class RunState:
             self.stand_down(WRITE_FAILED.format(exc))
             return
         branch.layers.add(layer)
-        tell(self.telemetry, "progress")  # a capture step can take seconds: the readout shows the stores filling
+        self.telemetry.progress()  # a capture step can take seconds: the readout shows the stores filling
 
     def get(self, u, layer: Hashable):
         """(k, v) of cond `u` at `layer`, on the compute device; valid until the next get on that store."""
@@ -220,18 +188,21 @@ class RunState:
     def open_store(self, name: str, device, expected_bytes: int, config=None):
         """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
         config = self.config if config is None else config
-        store = self.store_factory(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+        if self.store_factory is None:
+            store = KVStore(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+        else:
+            store = self.store_factory(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
         self.track_store(name, store)
         return store
 
     def track_store(self, name: str, store) -> None:
         """Show `store` in the readout as `name`, and warn once if it runs in another mode than the one asked."""
         self._note_fallback(store)
-        tell(self.telemetry, "track", name, store)
+        self.telemetry.track(name, store)
 
     def _note_fallback(self, store) -> None:
-        requested = getattr(self.config, "mode", None)
-        in_effect = getattr(store, "mode", None)
+        requested = self.config.mode
+        in_effect = getattr(store, "mode", None)  # a stand-in store of a test may not say
         reason = getattr(store, "reason", "")
         if requested is None or in_effect is None or in_effect == requested or str(requested) == "auto":
             return
@@ -260,10 +231,10 @@ class RunState:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
     def step(self) -> None:
-        tell(self.telemetry, "step")
+        self.telemetry.step()
 
     def drop_branch(self, u) -> None:
-        """Forget branch `u` (a cond, a prefix slot, a pose window) and close its store; nothing if it is gone."""
+        """Forget branch `u` (a cond, a prefix entry, a pose window) and close its store; nothing if it is gone."""
         branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
             branch.store.close()
@@ -283,7 +254,27 @@ class RunState:
         self.branches.clear()
         self._remove_temp_dir()
         if errors:  # an interrupt first: it must not be replaced by an error from another store
-            raise next((e for e in errors if not isinstance(e, Exception)), errors[0])
+            first = next((e for e in errors if not isinstance(e, Exception)), errors[0])
+            for e in errors:
+                if e is not first:  # raised is only one: the others are logged, never lost
+                    log.warning("KV Offload: closing another KV store of the run also failed",
+                                exc_info=(type(e), e, e.__traceback__))
+            raise first
+
+    # --- a family's own state -------------------------------------------------------------------------------
+    def extension(self, key: Hashable) -> Optional[RunExtension]:
+        """The state the family that owns `key` keeps for this run, or None."""
+        return self.extensions.get(key)
+
+    def add_extension(self, key: Hashable, ext: RunExtension) -> RunExtension:
+        """Keep `ext` for this run under the family's `key`; freed when the run ends (`close_extensions`)."""
+        self.extensions[key] = ext
+        return ext
+
+    def close_extensions(self) -> None:
+        """Free every family's state, after `close` (each `free()` is idempotent)."""
+        for ext in list(self.extensions.values()):
+            ext.free()
 
     def _remove_temp_dir(self) -> None:
         # The host's per-run directory (see nodes/host.py) goes with the run; the stores removed their own.

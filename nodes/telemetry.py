@@ -33,8 +33,9 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from .reuse import REUSE
 from .figures import StoreFigures, to_json, totals
+from .readout import Readout, log_failure
+from .reuse import REUSE
 
 log = logging.getLogger(__name__)
 
@@ -43,26 +44,6 @@ PAYLOAD_VERSION = 1
 MIN_PUSH_INTERVAL_S = 0.25  # at most 4 pushes per second during a run
 
 Sender = Callable[[str, dict], Any]
-
-_FAILED: set = set()  # what of the readout raised: warned about once per process, at debug level after that
-
-
-def _log_failure(what: str) -> None:
-    level = logging.DEBUG if what in _FAILED else logging.WARNING
-    _FAILED.add(what)
-    log.log(level, "KV Offload: the memory readout's %s failed", what, exc_info=True)
-
-
-def tell(telemetry, what: str, *args) -> None:
-    """`telemetry.<what>(*args)` when there is a readout. The readout runs inside sampling and must never break
-    it: a failure is logged, not raised."""
-    if telemetry is None:
-        return
-    try:
-        getattr(telemetry, what)(*args)
-    except Exception:
-        _log_failure(f"{what}()")
-
 
 def _default_memory_snapshot(device=None) -> dict:
     from ..offload_core import memory_snapshot  # lazy: the engine imports torch
@@ -75,11 +56,11 @@ def _guarded(what: str, read: Callable[[], Any]) -> Any:
     try:
         return read()
     except Exception:
-        _log_failure(what)
+        log_failure(what)
         return None
 
 
-class TelemetryHub:
+class TelemetryHub(Readout):
     """Collects per-run KV store stats and memory figures; pushes them only while a run is active.
 
     Thread-safety: `step()` runs on the sampling thread, `snapshot()` on the server's thread; one lock guards
@@ -252,7 +233,7 @@ def _summary(ref) -> Optional[dict]:
     return obj.summary() if obj is not None else None
 
 
-class NodeTelemetry:
+class NodeTelemetry(Readout):
     """The hub as one Settings node sees it: the runs it starts carry that node's id; the rest is the hub's."""
 
     def __init__(self, hub: TelemetryHub, node_id: Any) -> None:
@@ -262,10 +243,23 @@ class NodeTelemetry:
     def run_started(self, run_id: str) -> None:
         self.hub.run_started(run_id, node=self.node_id)
 
-    def __getattr__(self, name: str) -> Any:  # track, step, progress, forward_done, run_finished, ...
-        if name.startswith("__") or name == "hub":  # copy / pickle probe these before __init__ ran
-            raise AttributeError(name)
-        return getattr(self.hub, name)
+    def track(self, name: str, store: Any) -> None:
+        self.hub.track(name, store)
+
+    def track_section(self, key: str, obj: Any) -> None:
+        self.hub.track_section(key, obj)
+
+    def step(self) -> None:
+        self.hub.step()
+
+    def progress(self) -> None:
+        self.hub.progress()
+
+    def forward_done(self) -> None:
+        self.hub.forward_done()
+
+    def run_finished(self, run_id: Optional[str] = None) -> None:
+        self.hub.run_finished(run_id)
 
 
 TELEMETRY = TelemetryHub()

@@ -1,4 +1,4 @@
-"""Wan Animate 2: the pose branch's per-block cache served by our stores.
+"""Wan Animate 2: the pose cache (the pose K/V input of each block) served by our stores.
 
 ComfyUI (v0.33, `comfy/ldm/wan/model_animate2.py`) reads `transformer_options["animate2_cache"]` in the
 Wan Animate 2 forward and, when the forward carries pose latents, calls `select(pose_latents)`, then
@@ -26,22 +26,23 @@ from typing import Optional
 
 import torch
 
-from ..offload_core import OffloadConfig
+from ..offload_core.config import OffloadConfig
+from .branch import BranchCache, layer_bytes
 from .cache_dtype import storage_for_cache_dtype
+from .keys import ANIMATE2_CACHE
 from .patches import repeat_to_batch_size
-from .state import Branch, layer_bytes
-from .telemetry import tell
 from .wan_windows import Window, place_room, window_config, window_line
 
 log = logging.getLogger(__name__)
 
-CACHE_KEY = "animate2_cache"  # transformer_options key the Wan Animate 2 model reads
+CACHE_KEY = ANIMATE2_CACHE  # transformer_options key the Wan Animate 2 model reads
+POSE_CACHE = object()  # the run's extension key of this family's `PoseStoreCache`
 LABEL = "WanAnimate2Cache"
 MARGIN = 1.5  # ComfyUI's own estimate for the next slot: the largest filled one, times 1.5
 
 
 def has_pose_cache(dm) -> bool:
-    """True for a Wan Animate 2 diffusion model (its pose branch reads `animate2_cache`)."""
+    """True for a Wan Animate 2 diffusion model (it reads its pose cache from `animate2_cache`)."""
     return callable(getattr(dm, "rope_encode_pose", None)) and hasattr(dm, "blocks")
 
 
@@ -73,7 +74,7 @@ def attach_cache(run, to: dict, n_blocks: int) -> "PoseStoreCache":
         run.config, note = storage_for_cache_dtype(run.config, getattr(theirs, "dtype", None), LABEL)
         log.warning("KV Offload: %s is applied after KV Offload Settings; KV Offload serves its slot in mode %s "
                     "for this run.%s", LABEL, run.config.mode.value, f" {note}" if note else "")
-    cache = to[CACHE_KEY] = run.pose_cache = PoseStoreCache(run, n_blocks)
+    cache = to[CACHE_KEY] = run.add_extension(POSE_CACHE, PoseStoreCache(run, n_blocks))
     return cache
 
 
@@ -122,7 +123,7 @@ class PoseStoreCache:
         self._make_room()
         self._count += 1
         w = Window(key.detach().clone(), ("pose", self._count), f"pose {self._count}")
-        self.run.branches[w.sid] = Branch(name=w.name)
+        self.run.branches[w.sid] = BranchCache(name=w.name)
         self.windows.append(w)
         self.slot = w
 
@@ -181,8 +182,7 @@ class PoseStoreCache:
         self.windows, self.slot = [], None
 
     def _show(self) -> None:
-        if callable(getattr(self.run.telemetry, "track_section", None)):
-            tell(self.run.telemetry, "track_section", CACHE_KEY, self)
+        self.run.telemetry.track_section(CACHE_KEY, self)
 
     # -- budgets and room ----------------------------------------------------------------------------------
     def _complete(self, w: Window) -> bool:
@@ -193,7 +193,7 @@ class PoseStoreCache:
         self.windows.remove(w)
         self.run.drop_branch(w.sid)
 
-    def _open_store(self, w: Window, branch: Branch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _open_store(self, w: Window, branch: BranchCache, k: torch.Tensor, v: torch.Tensor) -> None:
         config = window_config(self.run.config, [self._bytes(o) for o in self.windows if o is not w])
         w.store = branch.store = self.run.open_store(w.name, k.device, layer_bytes(k, v) * self.n_blocks, config)
 

@@ -11,30 +11,32 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .keys import RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY
 from .patches import live_run
-from .state import RUN_KEY, RunState
-from .telemetry import tell
+from .readout import Readout, guarded
+from .state import RunState
 
 log = logging.getLogger(__name__)
 
-WRAPPER_KEY = "kv_offload"
 OUTER_SAMPLE, DIFFUSION_MODEL = "outer_sample", "diffusion_model"
-SPEC_KEY = "kv_offload_spec"  # transformer_options key of the node's RunSpec (cached with the MODEL)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSpec:
-    """What the node decided, stored with the patched MODEL; turned into a `RunState` once per run.
+    """What the node decided, held by the patched MODEL's outer-sample wrapper; a `RunState` once per run.
 
     config: the validated `OffloadConfig`; host: `host(model_patcher) -> HostServices`, called once per run
     (patcher None when unknown); n_layers: attention layers of the diffusion model (a capture is complete when
-    all were seen; sizes `expected_bytes`); family: the model family's `nodes.families.Family`.
+    all were seen; sizes `expected_bytes`); family: the model family's `nodes.families.Family`; telemetry: the
+    readout the runs report to; store_factory: None for `KVStore` (tests pass a stand-in).
     """
 
     config: Any
-    host: Callable[[], Any]
+    host: Callable[[Any], Any]
     n_layers: int
     family: Any
+    telemetry: Readout
+    store_factory: Optional[Callable] = None
 
 
 def copy_nested_dicts(d: dict) -> dict:
@@ -49,28 +51,27 @@ def copy_nested_dicts(d: dict) -> dict:
 
 
 def remove_wrappers(m) -> None:
-    """Remove the wrappers and the run spec an earlier KV Offload node added to `m`."""
+    """Remove the wrappers (and so the run spec) an earlier KV Offload node added to `m`."""
     for kind in (OUTER_SAMPLE, DIFFUSION_MODEL):
         m.remove_wrappers_with_key(kind, WRAPPER_KEY)
-    m.model_options.get("transformer_options", {}).pop(SPEC_KEY, None)
 
 
-def add_cache_wrappers(m, spec: RunSpec, store_factory: Callable, telemetry) -> None:
-    """Wrappers that give each sampling run of `m` a `RunState` made from `spec` (kept in `m`'s options)."""
-    m.model_options.setdefault("transformer_options", {})[SPEC_KEY] = spec
-    m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _outer_wrapper(store_factory, telemetry))
+def add_cache_wrappers(m, spec: RunSpec) -> None:
+    """Wrappers that give each sampling run of `m` a `RunState` made from `spec` (held by the outer wrapper)."""
+    m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, outer_wrapper(spec))
     m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, diffusion_model_wrapper)
 
 
 def add_readout_wrappers(m, telemetry) -> None:
     """Mode off: the readout still shows each run (its memory, no stores); nothing without a readout."""
     if telemetry is not None:
-        m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _readout_only(telemetry))
-        m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _readout_step(telemetry))
+        readout = guarded(telemetry)
+        m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _readout_only(readout))
+        m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _readout_step(readout))
 
 
 def _transformer_options(args, kwargs) -> dict:
-    to = kwargs.get("transformer_options")
+    to = kwargs.get(TRANSFORMER_OPTIONS)
     if isinstance(to, dict):
         return to
     for a in reversed(args):
@@ -99,8 +100,8 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
     return run_then(executor, args, kwargs, run.end_forward)  # a half-captured cond is dropped, never served
 
 
-def _outer_wrapper(store_factory: Callable, telemetry):
-    """OUTER_SAMPLE wrapper: one `RunState` per sampling run, closed in a `finally` (`_end_run`).
+def outer_wrapper(spec: RunSpec):
+    """OUTER_SAMPLE wrapper: one `RunState` of `spec` per sampling run, closed in a `finally` (`_end_run`).
 
     The run goes into the run's copy of the options (ComfyUI's `create_model_options_clone`), never into the
     cached MODEL's own dict; the `finally` runs on normal completion, on `InterruptProcessingException` (a
@@ -110,35 +111,35 @@ def _outer_wrapper(store_factory: Callable, telemetry):
     def outer_sample_wrapper(executor, *args, **kwargs):
         guider = executor.class_obj
         orig = guider.model_options
-        spec = orig.get("transformer_options", {}).get(SPEC_KEY)
-        run = _new_run(spec, orig, getattr(guider, "model_patcher", None), store_factory, telemetry)
+        run = new_run(spec, orig, getattr(guider, "model_patcher", None))
         if run is None:
             return executor(*args, **kwargs)
         guider.model_options = copy_nested_dicts(orig)
-        to = guider.model_options.setdefault("transformer_options", {})
+        to = guider.model_options.setdefault(TRANSFORMER_OPTIONS, {})
         to[RUN_KEY] = run
         spec.family.attach(run, to, spec.n_layers)
-        tell(telemetry, "run_started", run.run_id)
-        return run_then(executor, args, kwargs, lambda ok: _end_run(guider, orig, run, ok, telemetry))
+        run.telemetry.run_started(run.run_id)
+        return run_then(executor, args, kwargs, lambda ok: _end_run(guider, orig, run, ok))
 
     outer_sample_wrapper.kv_offload = True
+    outer_sample_wrapper.spec = spec  # what a reader (or a test) of the patched MODEL finds the node decided
     return outer_sample_wrapper
 
 
-def _new_run(spec: Optional[RunSpec], model_options: dict, patcher, store_factory: Callable,
-             telemetry) -> Optional[RunState]:
-    """This run's state, or None: no spec, or the family stands down for the run."""
-    config = spec.family.run_config(spec.config, model_options.get("transformer_options", {})) if spec else None
+def new_run(spec: RunSpec, model_options: dict, patcher) -> Optional[RunState]:
+    """This run's state, or None when the family stands down for the run.
+
+    patcher and model_options: what prefix reuse keys by (the weight-patch set this run samples with, and the
+    options that reach the forward)."""
+    config = spec.family.run_config(spec.config, model_options.get(TRANSFORMER_OPTIONS, {}))
     if config is None:
         return None
-    run = RunState(config, spec.host(patcher), spec.n_layers, store_factory, telemetry)
-    run.devices = spec.family.devices  # whether it serves multi-GPU sampling's threads
-    run.patcher = patcher  # prefix reuse keys by the weight-patch set this run samples with
-    run.model_options = model_options  # ... and by the options that reach the forward
-    return run
+    return RunState(config, spec.host(patcher), spec.n_layers, telemetry=spec.telemetry,
+                    store_factory=spec.store_factory, devices=spec.family.devices, patcher=patcher,
+                    model_options=model_options)
 
 
-def _end_run(guider, orig: dict, run: RunState, ok: bool, telemetry) -> None:
+def _end_run(guider, orig: dict, run: RunState, ok: bool) -> None:
     guider.model_options = orig
     try:
         run.close()
@@ -148,29 +149,28 @@ def _end_run(guider, orig: dict, run: RunState, ok: bool, telemetry) -> None:
         # an exception (an interrupt, a sampling error) is already on its way: it must reach ComfyUI
         log.warning("KV Offload: closing the cache after a failed run also failed", exc_info=True)
     finally:
-        if run.pose_cache is not None:
-            run.pose_cache.free()  # the stores are closed already: this logs the windows' summary
-        tell(telemetry, "run_finished", run.run_id)
+        run.close_extensions()  # the stores are closed already: e.g. the pose cache logs its windows' summary
+        run.telemetry.run_finished(run.run_id)
 
 
-def _readout_only(telemetry):
+def _readout_only(readout: Readout):
     """OUTER_SAMPLE wrapper for mode `off`: brackets the run for the readout; no cache, no run state."""
 
     def outer_sample_wrapper(executor, *args, **kwargs):
         run_id = uuid.uuid4().hex[:12]
-        tell(telemetry, "run_started", run_id)
-        return run_then(executor, args, kwargs, lambda ok: tell(telemetry, "run_finished", run_id))
+        readout.run_started(run_id)
+        return run_then(executor, args, kwargs, lambda ok: readout.run_finished(run_id))
 
     outer_sample_wrapper.kv_offload = True
     return outer_sample_wrapper
 
 
-def _readout_step(telemetry):
+def _readout_step(readout: Readout):
     """DIFFUSION_MODEL wrapper for mode `off`: a push before the forward and after it, as with a cache."""
 
     def diffusion_model_wrapper(executor, *args, **kwargs):
-        tell(telemetry, "step")
-        return run_then(executor, args, kwargs, lambda ok: tell(telemetry, "forward_done"))
+        readout.step()
+        return run_then(executor, args, kwargs, lambda ok: readout.forward_done())
 
     diffusion_model_wrapper.kv_offload = True
     return diffusion_model_wrapper

@@ -73,7 +73,7 @@ def drive_run(hub, forwards, layers=2, tick=0.0, cfg=False):
         for layer in range(layers):
             hub.clock.advance(tick)
             for i, u in enumerate(uuids):
-                if fwd.phase == "extract":
+                if fwd.phase == "capture":
                     run.put(u, layer, k[i:i + 1], k[i:i + 1], label="uncond" if u == "u" else "cond")
                 else:
                     run.get(u, layer)

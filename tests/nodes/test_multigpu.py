@@ -78,8 +78,8 @@ def test_an_interrupt_in_one_device_s_thread_closes_every_store_and_the_next_run
 def test_a_family_that_does_not_serve_threads_stands_down_once_with_the_reason(tmp_path, caplog):
     rec = Recorder()
     dm, patched = patched_tiny("ram_sync", tmp_path, telemetry=rec)
-    spec = patched.options()["transformer_options"]["kv_offload_spec"]
-    spec.family = dataclasses.replace(spec.family, devices=False)
+    spec = patched.wrappers["outer_sample"]["kv_offload"][0].spec
+    object.__setattr__(spec, "family", dataclasses.replace(spec.family, devices=False))  # a frozen spec
     noise, refs, txts = inputs(0, cfg=True)
     with caplog.at_level(logging.WARNING):
         out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)

@@ -7,7 +7,6 @@ from kv_offload_pack.nodes import inputs as inputs_mod
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.state import RUN_KEY
-from kv_offload_pack.nodes.wrappers import SPEC_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 from kv_offload_pack.offload_core.places import MiB
 
@@ -110,7 +109,7 @@ def test_input_model_is_left_untouched(tmp_path):
     base = FakePatcher(TinyDiT())
     patched, _ = apply_offload(base, config_from_inputs("gpu"), host=lambda p: None, store_factory=KVStore)
     assert base.model_options == {"transformer_options": {}} and base.wrappers == {}
-    assert SPEC_KEY in patched.model_options["transformer_options"]
+    assert patched.wrappers["outer_sample"]["kv_offload"][0].spec.config.mode == "gpu"
     assert patched.object_patches == {"diffusion_model.default_ref_method": "index_timestep_zero"}
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kv_offload_pack.nodes.patches import RefKVAttention
-from kv_offload_pack.nodes.state import CACHED, EXTRACT, RUN_KEY, RunState
+from kv_offload_pack.nodes.state import CACHED, CAPTURE as EXTRACT, RUN_KEY, RunState
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
 from kv_offload_pack.offload_core.places import GiB
 
