@@ -174,6 +174,12 @@ def _without_ours(groups: dict) -> dict:
     return out
 
 
+def _of_store(attribute: str) -> property:
+    """A read-only attribute of `ReusableStore` served by the store it wraps, named one by one (no forwarding of
+    whatever is asked)."""
+    return property(lambda self: getattr(self._store, attribute), doc=f"The wrapped store's `{attribute}`.")
+
+
 class ReusableStore:
     """One run's handle on a store that may outlive the run.
 
@@ -189,21 +195,10 @@ class ReusableStore:
         self._n_layers, self._label = n_layers, label
         self._damaged = self._done = False
 
-    @property
-    def mode(self):
-        return self._store.mode
-
-    @property
-    def reason(self) -> str:
-        return self._store.reason
-
-    @property
-    def device(self):
-        return self._store.device
-
-    @property
-    def name(self) -> str:
-        return self._store.name
+    mode = _of_store("mode")
+    reason = _of_store("reason")
+    device = _of_store("device")
+    name = _of_store("name")
 
     def put(self, layer, k, v) -> None:
         self._store.put(layer, k, v)
