@@ -212,7 +212,7 @@ class SlotRing:
             slot.pending = self._tiers[layers.where[key]].load(key, target, slot.release)
             self._stats.count_transfer(kept.data_bytes)
         slot.key = key
-        self._stats.set_resident(len(layers.resident) + sum(1 for s in self.slots if s.key is not None))
+        self._stats.set_on_device(len(layers.resident | {s.key for s in self.slots if s.key is not None}))
         return slot
 
     def _fit(self, slot: Slot, nbytes: int, coded: Optional[int]) -> None:

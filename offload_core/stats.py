@@ -35,8 +35,10 @@ class StoreStats:
         self.storage = storage
         self.device_bytes = 0
         self.peak_device_bytes = 0
-        self.resident_layers = 0
+        self.resident_layers = 0  # kept on the device for the store's lifetime (docs/glossary.md: resident)
         self.peak_resident_layers = 0
+        self.on_device_layers = 0  # the resident layers and those the ring's slots hold now
+        self.peak_on_device_layers = 0
         self.transfers = 0
         self.transfer_bytes = 0
         self.gets = 0
@@ -46,21 +48,24 @@ class StoreStats:
         self.device_bytes += nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         if layers:
-            self.set_resident(self.resident_layers + layers)
+            self.resident_layers += layers
+            self.peak_resident_layers = max(self.peak_resident_layers, self.resident_layers)
+            self.set_on_device(self.on_device_layers + layers)
 
-    def set_resident(self, layers: int) -> None:
-        self.resident_layers = layers
-        self.peak_resident_layers = max(self.peak_resident_layers, layers)
+    def set_on_device(self, layers: int) -> None:
+        """`layers` distinct layers are on the device now: the resident ones and those in the ring's slots."""
+        self.on_device_layers = layers
+        self.peak_on_device_layers = max(self.peak_on_device_layers, layers)
 
     def parked(self, device_bytes: int, layers: int) -> None:
         """The ring's slots are gone: what stays on the device is the resident layers."""
         self.device_bytes = device_bytes
-        self.set_resident(layers)
+        self.set_on_device(layers)
 
     def emptied(self) -> None:
         """The store closed: nothing of it is on the device any more."""
         self.device_bytes = 0
-        self.resident_layers = 0
+        self.resident_layers = self.on_device_layers = 0
 
     def count_transfer(self, nbytes: int) -> None:
         self.transfers += 1
@@ -73,7 +78,7 @@ class StoreStats:
         self.misses += 1
 
     def summary(self, seconds: Dict[str, float]) -> str:
-        return (f"{self.transfers} loads, {self.transfer_bytes / MiB:.1f} MiB, peak {self.peak_resident_layers} "
+        return (f"{self.transfers} loads, {self.transfer_bytes / MiB:.1f} MiB, peak {self.peak_on_device_layers} "
                 f"layers / {self.peak_device_bytes / MiB:.1f} MiB on the device, exposed wait "
                 f"{seconds['wait'] * 1000:.1f} ms")
 
@@ -95,6 +100,8 @@ class StoreStats:
             "peak_device_bytes": self.peak_device_bytes,
             "resident_layers": self.resident_layers,
             "peak_resident_layers": self.peak_resident_layers,
+            "layers_on_device": self.on_device_layers,  # resident plus those in slots now
+            "peak_layers_on_device": self.peak_on_device_layers,
             "prefetch_depth": now.prefetch_depth,
             "transfers": {"count": self.transfers, "bytes": self.transfer_bytes, "seconds": now.seconds["transfer"]},
             "exposed_wait_s": now.seconds["wait"],

@@ -139,7 +139,7 @@ def test_a_slot_reused_by_layers_of_other_row_counts_serves_each_exactly(mode, t
         stats, _ = run(store, layers, passes=4)
     assert stats["dedup"]["layers"] == 4  # 0, 2, 4, 5; layer 1 has one row, layer 3 differs
     if mode != "gpu":
-        assert stats["peak_resident_layers"] <= stats["prefetch_depth"] + 1 + stats["plan"]["device"]
+        assert stats["peak_layers_on_device"] <= stats["prefetch_depth"] + 1 + stats["plan"]["device"]
 
 
 def test_gpu_mode_keeps_one_row_on_the_device_and_serves_it_through_one_slot():

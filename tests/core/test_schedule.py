@@ -43,5 +43,5 @@ def test_random_access_is_exact_and_bounded(mode, depth, seed, tmp_path):
         for k in schedule(rng, keys, 300):
             got_k, got_v = store.get(k)
             assert torch.equal(got_k, layers[k][0]) and torch.equal(got_v, layers[k][1]), k
-            assert store.stats()["resident_layers"] <= bound
-        assert store.stats()["peak_resident_layers"] <= bound
+            assert store.stats()["layers_on_device"] <= bound
+        assert store.stats()["peak_layers_on_device"] <= bound
