@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from .patches import patch_reference_kv, unless_flux_kv_cache_after
 from .qwen21 import attach_qwen21, has_prefix_cache, patch_qwen21, qwen21_run_config
-from .wan import attach_cache, claim_slot, has_pose_cache
+from .wan import attach_cache, take_over_pose_cache, has_pose_cache
 
 
 def _nothing_to_attach(run, to: dict, n_layers: int) -> None:
@@ -46,8 +46,10 @@ def _transformer_blocks(dm) -> int:
 
 # Tried in this order: Qwen-Image 2.1 has `transformer_blocks` too, and only its seam tells it apart.
 FAMILIES = (
-    Family("qwen_image21", has_prefix_cache, _transformer_blocks, patch_qwen21, qwen21_run_config, attach_qwen21),
-    Family("wan_animate2", has_pose_cache, lambda dm: len(dm.blocks), claim_slot, attach=attach_cache),
+    Family("qwen_image21", has_prefix_cache, _transformer_blocks, patch_qwen21, qwen21_run_config, attach_qwen21,
+           devices=True),
+    Family("wan_animate2", has_pose_cache, lambda dm: len(dm.blocks), take_over_pose_cache, attach=attach_cache,
+           devices=True),
     Family("flux", lambda dm: hasattr(dm, "double_blocks") and hasattr(dm, "single_blocks"),
            lambda dm: len(dm.double_blocks) + len(dm.single_blocks), patch_reference_kv, devices=True),
     Family("qwen_image", lambda dm: hasattr(dm, "transformer_blocks") and hasattr(dm, "default_ref_method"),

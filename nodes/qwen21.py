@@ -59,9 +59,11 @@ class PrefixStoreCache:
     capture and prefetches on its own, so `prefetch` has nothing left to do.
     """
 
-    def __init__(self, run, n_blocks: int, reuse=None, dm=None):
+    def __init__(self, run, n_blocks: int, reuse=None, dm=None, device=None):
         self.run = run
         self.n_blocks = n_blocks
+        self.device = device  # ComfyUI's device of the thread this cache serves (multi-GPU sampling), else None
+        self.label = "cond" if device is None else f"cond on {device}"
         self.entries: list = []  # [(key tensor, branch id)]: the prefix entries
         self.entry = None
         self._fresh: dict = {}
@@ -83,8 +85,8 @@ class PrefixStoreCache:
                 break
         if not create:
             return False
-        sid = ("qwen21", next(self._ids))
-        self.run.branches[sid] = BranchCache()
+        sid = ("qwen21", self.device, next(self._ids))
+        self.run.add_branch(sid, BranchCache())
         self.entries.append((key.detach().clone(), sid))
         self.entry = sid
         return True
@@ -106,10 +108,10 @@ class PrefixStoreCache:
             if reuse_key is not None:
                 self._reuse_keys[self.entry] = reuse_key
             return False
-        sid = ("qwen21", next(self._ids))
-        name = self.run.unique_name("cond")
-        self.run.branches[sid] = BranchCache(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
-                                        layers=set(range(self.n_blocks)), complete=True, name=name)
+        sid = ("qwen21", self.device, next(self._ids))
+        name = self.run.unique_name(self.label)
+        self.run.add_branch(sid, BranchCache(store=ReusableStore(entry.store, self.reuse.registry, entry=entry),
+                                             layers=set(range(self.n_blocks)), complete=True, name=name))
         self.run.track_store(name, entry.store)
         self.entries.append((key.detach().clone(), sid))
         self.entry = sid
@@ -117,7 +119,7 @@ class PrefixStoreCache:
 
     def put(self, i: int, t: torch.Tensor) -> None:
         """t: (B, 2, P, H, D) stacked K/V of block i; the store takes its own copy."""
-        self.run.put(self.entry, i, t[:, 0], t[:, 1])
+        self.run.put(self.entry, i, t[:, 0], t[:, 1], label=self.label)
         if self.entry in self._reuse_keys:  # kept when the run closes it, if the capture completed
             branch = self.run.branches[self.entry]
             branch.store = ReusableStore(branch.store, self.reuse.registry, key=self._reuse_keys.pop(self.entry),
@@ -159,14 +161,20 @@ def make_select_prefix_cache(original: Callable, n_blocks: int, reuse=None) -> C
         run = options.get(RUN_KEY)
         if run is None or run.closed:
             return original(key, cache_bytes, device, options)
-        if run.stood_down:  # multi-GPU threads: `original` is bound to one device's model, so no cache at all
+        if run.stood_down:  # the run stepped aside (a full disk, say): recompute, as its other families do
             return None, False
         if options.get(QWEN21_OFF[0]) == QWEN21_OFF[1]:
             return None, False
-        cache: Optional[PrefixStoreCache] = run.extension(PREFIX_ENTRIES)
+        # One cache per device under multi-GPU sampling: each device's thread runs its own copy of the model and
+        # reads only its own stores (a store serves one thread).
+        device = run.thread_device
+        where = PREFIX_ENTRIES if device is None else (PREFIX_ENTRIES, str(device))
+        cache: Optional[PrefixStoreCache] = run.extension(where)
         if cache is None:
-            dm = getattr(original, "__self__", None)  # a bound method of the model; None for a plain function
-            cache = run.add_extension(PREFIX_ENTRIES, PrefixStoreCache(run, n_blocks, reuse, dm))
+            # the model of this thread's forward; else the one patched (a bound method; None for a function)
+            dm = run.thread_model if has_prefix_cache(run.thread_model) else getattr(original, "__self__", None)
+            cache = run.add_extension(where, PrefixStoreCache(run, n_blocks, reuse, dm,
+                                                              None if device is None else str(device)))
         if cache.select(key, create=False):
             return cache, True
         if reuse is not None and cache.dm is not None:

@@ -56,14 +56,14 @@ class RunState:
         self.telemetry = guarded(telemetry)
         self.run_id = run_id or _uuid.uuid4().hex[:12]
         self.branches: dict[Hashable, BranchCache] = {}
-        self._local = threading.local()  # this thread's forward in progress (`forward`)
+        self._local = threading.local()  # this thread's forward in progress (`forward`), its device and model
         self._active: dict[int, ForwardState] = {}  # thread ident -> its forward in progress
         self.devices = devices  # multi-GPU sampling: one forward per device's thread at a time
         self.patcher, self.model_options = patcher, model_options
         self.forwards = 0
         self.closed = False
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # guards `branches` (threads of multi-GPU sampling add and drop them)
         self._warned = set()
         self.extensions: dict[Hashable, RunExtension] = {}  # a family's own state, under its own key object
 
@@ -80,6 +80,21 @@ class RunState:
             self._active.pop(threading.get_ident(), None)
         else:
             self._active[threading.get_ident()] = fwd
+
+    def serve(self, device, model) -> None:
+        """This thread's forwards from now on: ComfyUI's device for the thread under multi-GPU sampling (None on
+        one device) and the diffusion model it runs there (each device runs its own copy)."""
+        self._local.device, self._local.model = device, model
+
+    @property
+    def thread_device(self):
+        """ComfyUI's device of this thread's forwards under multi-GPU sampling, else None (`serve`)."""
+        return getattr(self._local, "device", None)
+
+    @property
+    def thread_model(self):
+        """The diffusion model this thread's forwards run, once a forward began on it (`serve`), else None."""
+        return getattr(self._local, "model", None)
 
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:
         """Decide the phase of this forward; called from the post-input patch, before any block runs.
@@ -155,9 +170,9 @@ class RunState:
             # The stores of one forward each pick a tier at their first put, against the same free memory: size
             # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
             together = max(len(self.forward.capture), 1) if self.forward is not None else 1
-            with self._lock:
-                branch.name = self.unique_name(label)
-            branch.store = self.open_store(branch.name, k.device, layer_bytes(k, v) * self.n_layers * together)
+            branch.name = self.unique_name(label)
+            branch.store = self.open_store(branch.name, self.thread_device or k.device,
+                                           layer_bytes(k, v) * self.n_layers * together)
         try:
             branch.store.put(layer, k, v)
         except KVWriteError as exc:
@@ -182,8 +197,15 @@ class RunState:
     # --- stores -------------------------------------------------------------------------------------------
     def unique_name(self, label: str) -> str:
         """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
-        taken = {b.name for b in self.branches.values() if b.store is not None}
+        with self._lock:
+            taken = {b.name for b in self.branches.values() if b.store is not None}
         return next(n for n in (label, *(f"{label} {i}" for i in range(2, len(taken) + 2))) if n not in taken)
+
+    def add_branch(self, u: Hashable, branch: BranchCache) -> BranchCache:
+        """Keep `branch` under `u` (a family's prefix entry or pose window); safe beside other threads' calls."""
+        with self._lock:
+            self.branches[u] = branch
+        return branch
 
     def open_store(self, name: str, device, expected_bytes: int, config=None):
         """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
@@ -235,7 +257,8 @@ class RunState:
 
     def drop_branch(self, u) -> None:
         """Forget branch `u` (a cond, a prefix entry, a pose window) and close its store; nothing if it is gone."""
-        branch = self.branches.pop(u, None)
+        with self._lock:
+            branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
             branch.store.close()
 

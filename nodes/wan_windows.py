@@ -27,6 +27,7 @@ class Window:
     hits: int = 0
     store: object = None
     bytes: dict = dataclasses.field(default_factory=dict)  # per place, as last seen open
+    claim: int = 0  # RAM bytes of the RAM budget it booked when it opened (0: no RAM budget)
 
 
 def window_line(w: Window) -> str:
@@ -39,14 +40,15 @@ def window_line(w: Window) -> str:
             f"file {(b.get(FILE) or 0) / MiB:.1f} MiB, {w.hits} hits, prefetch wait {wait * 1e3:.1f} ms")
 
 
-def window_config(config: OffloadConfig, others: list) -> OffloadConfig:
-    """A new window's config: what the other windows (`others`: their `stats()["bytes"]`) left of the budgets."""
+def window_config(config: OffloadConfig, others: list, same_device: Optional[list] = None) -> OffloadConfig:
+    """A new window's config: what the other windows left of the budgets (their `stats()["bytes"]`): `others`,
+    every device's, of the RAM budget; `same_device` (default: `others`), its device's, of the VRAM budget."""
     fields = {}
     if config.host_budget is not None:
         used = sum((b.get(p) or 0) for b in others for p in HOST_PLACES)
         fields["host_budget"] = max(0, config.host_budget - used)
     if config.device_budget is not None:
-        used = sum((b.get(DEVICE) or 0) for b in others)
+        used = sum((b.get(DEVICE) or 0) for b in (others if same_device is None else same_device))
         fields["device_budget"] = max(0, config.device_budget - used)
     return dataclasses.replace(config, **fields) if fields else config
 

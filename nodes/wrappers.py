@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from .keys import RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY
-from .patches import live_run
+from .patches import MULTI_GPU_KEY, live_run
 from .readout import Readout, guarded
 from .state import RunState
 
@@ -93,9 +93,11 @@ def run_then(executor, args, kwargs, then: Callable[[bool], None]):
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """DIFFUSION_MODEL wrapper: brackets one forward (per cond batch per step) for the run state."""
-    run = live_run(_transformer_options(args, kwargs))
+    to = _transformer_options(args, kwargs)
+    run = live_run(to)
     if run is None:
         return executor(*args, **kwargs)
+    run.serve(to.get(MULTI_GPU_KEY), getattr(executor, "class_obj", None))  # ComfyUI's executor: the model
     run.step()
     return run_then(executor, args, kwargs, run.end_forward)  # a half-captured cond is dropped, never served
 

@@ -29,15 +29,7 @@ class TinyDiT(torch.nn.Module):
         self.proj = [(torch.randn(hidden, hidden, generator=g) * hidden ** -0.5).to(device) for _ in self.blocks]
 
     def forward(self, img, ref, txt, transformer_options):
-        wrappers = list(transformer_options.get("wrappers", {}).get("diffusion_model", {}).values())
-        fns = [w for ws in wrappers for w in ws]
-
-        def call(i, *args):
-            if i == len(fns):
-                return self._forward(*args)
-            return fns[i](lambda *a, **k: call(i + 1, *a), *args)
-
-        return call(0, img, ref, txt, transformer_options)
+        return through_model_wrappers(self, img, ref, txt, transformer_options)
 
     def _forward(self, img, ref, txt, transformer_options):
         to = dict(transformer_options)
@@ -98,7 +90,8 @@ def _repeat(t, batch):
 
 
 class Executor:
-    """Stands in for ComfyUI's WrapperExecutor of an OUTER_SAMPLE wrapper (`class_obj` = the guider)."""
+    """Stands in for ComfyUI's WrapperExecutor: `class_obj` is the guider (OUTER_SAMPLE) or the diffusion model
+    (DIFFUSION_MODEL)."""
 
     def __init__(self, guider, fn):
         self.class_obj = guider
@@ -175,6 +168,19 @@ def sample(model: TinyDiT, model_options: dict, noise, refs, txts, steps=4, cfg=
         return x
 
     return through_outer_wrappers(model_options, guider, loop)
+
+
+def through_model_wrappers(model, *args):
+    """`model._forward(*args)` inside every DIFFUSION_MODEL wrapper of its options (`args[-1]`), first registered
+    outermost, each handed an executor whose `class_obj` is the model (ComfyUI's `WrapperExecutor`)."""
+    fns = [w for ws in args[-1].get("wrappers", {}).get("diffusion_model", {}).values() for w in ws]
+
+    def call(i, *a):
+        if i == len(fns):
+            return model._forward(*a)
+        return fns[i](Executor(model, lambda *b, **k: call(i + 1, *b)), *a)
+
+    return call(0, *args)
 
 
 def through_outer_wrappers(model_options: dict, guider, loop):

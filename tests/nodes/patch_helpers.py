@@ -3,6 +3,8 @@ patches made (the telemetry hub's calls, every store)."""
 
 import os
 
+import threading
+
 import torch
 
 from kv_offload_pack.nodes.apply import apply_offload
@@ -38,13 +40,23 @@ class Recorder:
 
 
 class Spy(KVStore):
-    """A real store that keeps every instance in `Spy.made` (clear it before the run it observes)."""
+    """A real store that keeps every instance in `Spy.made` (clear it before the run it observes) and records the
+    threads its puts and gets ran on (`threads`)."""
 
     made = []
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
+        self.threads = {"put": set(), "get": set()}
         Spy.made.append(self)
+
+    def put(self, key, k, v):
+        self.threads["put"].add(threading.get_ident())
+        return super().put(key, k, v)
+
+    def get(self, key):
+        self.threads["get"].add(threading.get_ident())
+        return super().get(key)
 
 
 def inputs(seed=0, cfg=False, device="cpu", batch=1, hidden=32, ref_tokens=5):

@@ -13,7 +13,7 @@ import torch
 from kv_offload_pack.offload_core import KVStore
 
 from nodes_tiny import sample
-from patch_helpers import Recorder, inputs, no_files, patched_tiny, run_mode
+from patch_helpers import Recorder, Spy, inputs, no_files, patched_tiny, run_mode
 
 LOSSLESS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 
@@ -24,51 +24,32 @@ def one_device(tmp_path):
     return run_mode("gpu", tmp_path, cfg=3.0, batched=False)
 
 
-class Threads(KVStore):
-    """A real store that records the threads its puts and gets ran on."""
-
-    made = []
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.threads = {"put": set(), "get": set()}
-        Threads.made.append(self)
-
-    def put(self, key, k, v):
-        self.threads["put"].add(threading.get_ident())
-        return super().put(key, k, v)
-
-    def get(self, key):
-        self.threads["get"].add(threading.get_ident())
-        return super().get(key)
-
-
 @pytest.mark.parametrize("mode", LOSSLESS)
 def test_each_device_s_thread_gets_its_own_stores_and_the_latents_of_mode_off(mode, tmp_path, caplog):
-    Threads.made.clear()
+    Spy.made.clear()
     rec = Recorder()
-    dm, patched = patched_tiny(mode, tmp_path, telemetry=rec, store_factory=Threads)
+    dm, patched = patched_tiny(mode, tmp_path, telemetry=rec, store_factory=Spy)
     noise, refs, txts = inputs(0, cfg=True)
     with caplog.at_level(logging.WARNING):
         out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
     assert torch.equal(out, one_device(tmp_path))
     assert not [r for r in caplog.records if "stands down" in r.message]
-    assert sorted(s.name for s in Threads.made) == ["cond on cpu:0", "uncond on cpu:1"]
-    for store in Threads.made:  # each did its puts and gets, all on one thread, and is closed
+    assert sorted(s.name for s in Spy.made) == ["cond on cpu:0", "uncond on cpu:1"]
+    for store in Spy.made:  # each did its puts and gets, all on one thread, and is closed
         assert len(store.threads["put"]) == 1 and store.threads["put"] == store.threads["get"], store.name
         assert store.closed
-    assert Threads.made[0].threads["put"] != Threads.made[1].threads["put"]
+    assert Spy.made[0].threads["put"] != Spy.made[1].threads["put"]
     assert no_files(tmp_path) == []
 
 
 def test_an_interrupt_in_one_device_s_thread_closes_every_store_and_the_next_run_is_exact(tmp_path):
-    Threads.made.clear()
-    dm, patched = patched_tiny("file_async", tmp_path, store_factory=Threads)
+    Spy.made.clear()
+    dm, patched = patched_tiny("file_async", tmp_path, store_factory=Spy)
     noise, refs, txts = inputs(0, cfg=True)
     with pytest.raises(KeyboardInterrupt):
         sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True,
                fail_at=(2, "uncond-uuid"))
-    assert Threads.made and all(s.closed for s in Threads.made)
+    assert Spy.made and all(s.closed for s in Spy.made)
     assert no_files(tmp_path) == []
     out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
     assert torch.equal(out, one_device(tmp_path))
@@ -89,8 +70,8 @@ def test_a_family_that_does_not_serve_threads_stands_down_once_with_the_reason(t
 
 
 def _on(devices, mode, tmp_path):
-    Threads.made.clear()
-    dm, patched = patched_tiny(mode, tmp_path, store_factory=Threads)
+    Spy.made.clear()
+    dm, patched = patched_tiny(mode, tmp_path, store_factory=Spy)
     noise, refs, txts = inputs(0, cfg=True)
     return sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=devices)
 
@@ -99,8 +80,8 @@ def _a_copy_of_the_model_per_device(devices, tmp_path):
     reference = _on(devices, "gpu", tmp_path)
     for mode in LOSSLESS:
         assert torch.equal(_on(devices, mode, tmp_path), reference), mode
-        assert sorted(str(s.device) for s in Threads.made) == sorted(str(d) for d in devices), mode
-        assert all(len(s.threads["get"]) == 1 and s.closed for s in Threads.made), mode
+        assert sorted(str(s.device) for s in Spy.made) == sorted(str(d) for d in devices), mode
+        assert all(len(s.threads["get"]) == 1 and s.closed for s in Spy.made), mode
     assert no_files(tmp_path) == []
 
 

@@ -137,7 +137,7 @@ def test_an_interrupted_fill_is_never_served(tmp_path):
     pose, x = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
     cache.select(pose)
     cache.put(0, x)  # the forward stops here
-    first = cache.slot.store
+    first = cache.window.store
     cache.select(pose)
     assert not cache.filled(3) and first.closed and len(cache.windows) == 1
     for i in range(3):
@@ -147,7 +147,7 @@ def test_an_interrupted_fill_is_never_served(tmp_path):
     assert torch.equal(cache.take(2, x.device, x.dtype, 2), (x[:1] * 3).expand(2, -1, -1))  # row 0, repeated
     run.close()
     cache.free()
-    assert cache.slot is None and cache.windows == [] and cache.summary()["fills"] == 1
+    assert cache.window is None and cache.windows == [] and cache.summary()["fills"] == 1
 
 
 @pytest.mark.parametrize("where", ["upstream", "downstream"])
@@ -161,7 +161,7 @@ def test_comfys_cache_node_is_taken_over_and_its_dtype_honoured(tmp_path, caplog
     assert "WanAnimate2Cache" in caplog.text and (dtype == "default" or f"'{dtype}'" in caplog.text)
 
 
-def test_the_node_says_it_takes_the_slot(tmp_path):
+def test_the_node_says_it_takes_over_comfys_pose_cache(tmp_path):
     options = {"transformer_options": {CACHE_KEY: ComfyPoseCache()}}
     patched, msg = apply_offload(FakePatcher(TinyWanAnimate2(), options), config_from_inputs("file_sync"),
                                  host=lambda p: None, store_factory=KVStore)

@@ -16,10 +16,12 @@ slots evicted while the free memory of its device is below 1.5x the largest slot
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 
-from nodes_tiny import Guider, _repeat, through_outer_wrappers
+from nodes_tiny import Guider, _repeat, through_model_wrappers, through_outer_wrappers
 
 
 class TinyWanAnimate2(torch.nn.Module):
@@ -39,14 +41,7 @@ class TinyWanAnimate2(torch.nn.Module):
         return None
 
     def forward(self, img, pose, txt, transformer_options):
-        fns = [w for ws in transformer_options.get("wrappers", {}).get("diffusion_model", {}).values() for w in ws]
-
-        def call(i, *args):
-            if i == len(fns):
-                return self._forward(*args)
-            return fns[i](lambda *a, **k: call(i + 1, *a), *args)
-
-        return call(0, img, pose, txt, transformer_options)
+        return through_model_wrappers(self, img, pose, txt, transformer_options)
 
     def _attend(self, q, k, v):
         B, L, C = q.shape
@@ -154,13 +149,25 @@ def windows_of(frames: int, length: int, overlap: int) -> list:
         start = end - overlap
 
 
-def sample(model, model_options, noise, pose, txts, steps=3, cfg=None, batched=True, hw=4, windows=None):
+def sample(model, model_options, noise, pose, txts, steps=3, cfg=None, batched=True, hw=4, windows=None,
+           multigpu=False):
     """Euler-ish loop over (B, frames * hw, C) latents; `pose` like `noise`, `txts` per cond (cond, uncond).
 
     `windows`: lists of frame indices; each step runs the model once per window (per cond batch) on that
     window's latents and pose frames with `transformer_options["context_window"]` set, and averages the
     overlaps, as ComfyUI's context-window handler does. OUTER_SAMPLE wrappers run around the loop.
+    `multigpu`: the cond batches of each window run concurrently, one persistent thread per device (`cpu:0`,
+    `cpu:1`) with `multigpu_thread_device` set, as ComfyUI's `_calc_cond_batch_multigpu` does.
     """
+    pools = []
+    try:
+        return _sample(model, model_options, noise, pose, txts, steps, cfg, batched, hw, windows, multigpu, pools)
+    finally:
+        for p in pools:
+            p.shutdown()
+
+
+def _sample(model, model_options, noise, pose, txts, steps, cfg, batched, hw, windows, multigpu, pools):
     guider = Guider(model_options)
     uuids = ["cond-uuid", "uncond-uuid"][: 2 if cfg is not None else 1]
     frames = noise.shape[1] // hw
@@ -179,14 +186,25 @@ def sample(model, model_options, noise, pose, txts, steps=3, cfg=None, batched=T
                 idx_t = tokens(win)
                 t = dict(to, context_window=win) if windows else dict(to)
                 groups = [uuids] if batched else [[u] for u in uuids]
-                for group in groups:
+
+                def run_group(group, t=t, idx_t=idx_t, x=x):
                     idx = [uuids.index(u) for u in group]
                     g = dict(t, uuids=list(group), cond_or_uncond=idx)
+                    if multigpu:
+                        g["multigpu_thread_device"] = torch.device("cpu", groups.index(group))
                     n = len(group)
                     out = model.forward(torch.cat([x[:, idx_t]] * n), torch.cat([pose[:, idx_t]] * n),
                                         torch.cat([txts[i] for i in idx]), g)
                     for j, u in enumerate(group):
                         outs[u][:, idx_t] += out[j * x.shape[0]:(j + 1) * x.shape[0]]
+
+                if multigpu:
+                    pools.extend(ThreadPoolExecutor(1) for _ in groups[len(pools):])
+                    for f in [pool.submit(run_group, g) for pool, g in zip(pools, groups)]:
+                        f.result()
+                else:
+                    for group in groups:
+                        run_group(group)
                 count[:, idx_t] += 1
             outs = {u: o / count for u, o in outs.items()}
             d = outs[uuids[0]] if cfg is None else outs[uuids[1]] + cfg * (outs[uuids[0]] - outs[uuids[1]])
