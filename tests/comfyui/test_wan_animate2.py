@@ -22,8 +22,9 @@ FRAMES = 5  # latent frames: the reference slot + 4 pose frames
 _seq = iter(range(1, 1 << 30))
 
 
-def wan_graph(mode=None, comfy_cache=None, windows=False, cfg=1.0, steps=3, seed=7, size=4, **kvo) -> dict:
-    """UNETLoader -> [WanAnimate2Cache] -> [ContextWindowsManual] -> [KVOffloadSettings] -> KSampler -> SaveLatent."""
+def wan_graph(mode=None, comfy_cache=None, windows=False, cfg=1.0, steps=3, seed=7, size=4, max_gpus=0, **kvo) -> dict:
+    """UNETLoader -> [WanAnimate2Cache] -> [ContextWindowsManual] -> [KVOffloadSettings] -> [MultiGPU CFG Split]
+    -> KSampler -> SaveLatent (`max_gpus` 0: no MultiGPU CFG Split)."""
     g = {"model": {"class_type": "UNETLoader",
                    "inputs": {"unet_name": "tiny_wan_animate2.safetensors", "weight_dtype": "default"}}}
     ref = ["model", 0]
@@ -43,6 +44,9 @@ def wan_graph(mode=None, comfy_cache=None, windows=False, cfg=1.0, steps=3, seed
                     "inputs": {"model": ref, "mode": mode, "prefetch_depth": 1, "bypass_page_cache": True,
                                "pin_budget_mb": 0, **kvo}}
         ref = ["kvo", 0]
+    if max_gpus:
+        g["multigpu"] = {"class_type": "MultiGPU_WorkUnits", "inputs": {"model": ref, "max_gpus": max_gpus}}
+        ref = ["multigpu", 0]
     for name, text_seed in (("pos", 1), ("neg", 2)):
         g[f"{name}_text"] = {"class_type": "KVOffloadTestConditioning", "inputs": {"seed": text_seed, "tokens": 8, "dim": 64}}
         g[name] = {"class_type": "KVOffloadTestPoseConditioning",  # on both, as WanAnimate2ToVideo does
@@ -131,3 +135,21 @@ def test_an_error_mid_run_leaves_no_file(comfy):
     entry = comfy.wait(body["prompt_id"])
     assert entry["status"]["status_str"] == "error" and "test failure" in str(entry["status"])
     assert comfy.kv_files() == []
+
+
+@pytest.mark.parametrize("windows", [False, True], ids=["whole", "windows"])
+def test_under_multigpu_cfg_split_each_device_keeps_its_own_pose_cache_and_the_latents_of_no_cache(comfy, windows):
+    # The reference is the split graph without any cache: ComfyUI's own pose cache is one object shared by both
+    # devices' threads there, and its values equal no cache (measured above on one device).
+    none = latent(comfy, windows=windows, cfg=2.0, max_gpus=2)
+    log_from = len(comfy.log.read_text(errors="replace"))
+    for mode in MODES:
+        assert latent(comfy, mode=mode, windows=windows, cfg=2.0, max_gpus=2).equal(none), f"mode {mode} differs"
+        _, stats = comfy.request("GET", "/kv_offload/stats")
+        names = sorted(s["name"] for s in stats["stores"])
+        assert {n.rsplit(" on ", 1)[1] for n in names} == {"cpu", "cpu:1"}, (mode, names)
+        assert all(s["layers"] > 0 and s["gets"] > 0 and s["closed"] for s in stats["stores"]), mode
+        assert stats["animate2_cache"]["fills"] == len(names) and stats["animate2_cache"]["hits"] > 0, mode
+        assert comfy.kv_files() == []
+    log = comfy.log.read_text(errors="replace")[log_from:]
+    assert "stands down" not in log and "Traceback" not in log, log
