@@ -10,7 +10,7 @@ import enum
 import logging
 import math
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..offload_core.places import PLACES
 
@@ -77,6 +77,27 @@ def totals(stores: list, forwards: int) -> dict:
         "exposed_wait_s": wait,
         "exposed_wait_per_forward_s": _ratio(wait, forwards) if wait is not None else None,
     }
+
+
+def per_device(stores: list, memory: Callable[[str], Optional[dict]]) -> list:
+    """One entry per device the stores serve, in order of first appearance: the device, its memory figures
+    (`memory(device)`: a `memory_snapshot`, None if unknown), its stores' names, bytes per place and waits.
+
+    Under ComfyUI's multi-GPU sampling each device's thread has its own stores; on one device the list has one
+    entry."""
+    out: dict = {}
+    for s in stores:
+        device = s.get("device")
+        if device:
+            out.setdefault(str(device), []).append(s)
+    entries = []
+    for device, mine in out.items():
+        snap = memory(device) or {}
+        sums = totals(mine, 0)
+        entries.append({"device": device, "memory": {"process": snap.get("process"), "device": snap.get("device")},
+                        "stores": [s.get("name") for s in mine], "bytes": sums["bytes"],
+                        "device_bytes": sums["device_bytes"], "exposed_wait_s": sums["exposed_wait_s"]})
+    return entries
 
 
 def store_order(name: str) -> tuple:

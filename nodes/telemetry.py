@@ -33,7 +33,7 @@ import time
 import weakref
 from typing import Any, Callable, Optional
 
-from .figures import StoreFigures, to_json, totals
+from .figures import StoreFigures, per_device, to_json, totals
 from .readout import Readout, log_failure
 from .reuse import REUSE
 
@@ -198,6 +198,14 @@ class TelemetryHub(Readout):
     def _payload(self, event: str) -> dict:
         stores = self._stores.collect()
         device = next((s.get("device") for s in stores if s.get("device")), None) or self._device
+        memory = _guarded("memory snapshot", lambda: self._memory(device))
+        read = {str(device): memory}  # each device's figures read once per payload
+
+        def device_memory(d: str) -> Optional[dict]:
+            if d not in read:
+                read[d] = _guarded(f"memory snapshot of {d}", lambda: self._memory(d))
+            return read[d]
+
         return {
             "v": PAYLOAD_VERSION,
             "event": event,
@@ -205,9 +213,10 @@ class TelemetryHub(Readout):
             "run": {"id": self._run_id, "node": self._node, "active": event in ("start", "step"),
                     "forwards": self._forwards if self._run_id else None, "elapsed_s": self._elapsed(),
                     "marks": [dict(m) for m in self._marks]},
-            "memory": _guarded("memory snapshot", lambda: self._memory(device)),
+            "memory": memory,
             "stores": stores,
             "totals": totals(stores, self._forwards),
+            "devices": _guarded("device figures", lambda: per_device(stores, device_memory)),
             "reuse": _guarded("reuse snapshot", REUSE.snapshot),
             **{key: _guarded(f"{key} summary", lambda ref=ref: _summary(ref)) for key, ref in self._sections.items()},
         }

@@ -58,9 +58,11 @@ export function formatPlaces(bytes) {
   return KV_PLACES.some(({ place }) => isKnown(bytes[place])) ? "nothing" : UNKNOWN;
 }
 
-export function tierLine(store) {
-  if (!store.tier) return `${store.requested || "?"}: not decided yet`;
-  return store.requested && store.requested !== store.tier ? `${store.tier} (asked ${store.requested})` : store.tier;
+// The mode a store runs in (`stats()["mode"]`; 0.1.0 sent it as "tier" only), and the one asked for.
+export function modeLine(store) {
+  const mode = store.mode ?? store.tier;
+  if (!mode) return `${store.requested || "?"}: not decided yet`;
+  return store.requested && store.requested !== mode ? `${mode} (asked ${store.requested})` : mode;
 }
 
 // Identical batch rows kept once (`stats()["dedup"]`): "1/4 rows kept · 96.0 MiB saved · check 1.20 ms"; null
@@ -76,8 +78,21 @@ export function batchRowsLine(store) {
   return `${kept} \u00b7 ${formatBytes(d.saved_bytes)} saved \u00b7 ${check}`;
 }
 
+// One device of a multi-GPU run: "cuda:1: VRAM 10.0 GiB of 24.0 GiB · KV pinned RAM 2.00 GiB · wait 12.0 ms".
+export function deviceRow(d) {
+  const m = d.memory || {};
+  const p = m.process || {};
+  const dev = m.device || {};
+  let memory = `${dev.type || UNKNOWN}: no separate device memory`;
+  if (dev.type === "cuda") memory = `VRAM ${formatBytes(p.device_allocated)} of ${formatBytes(dev.total)}`;
+  else if (dev.type === "mps") memory = `MPS ${formatBytes(p.mps_current_allocated)} of ${formatBytes(dev.recommended_max)}`;
+  const stores = Array.isArray(d.stores) ? d.stores.length : 0;
+  const kv = `KV ${formatPlaces(d.bytes)} in ${stores} store${stores === 1 ? "" : "s"}`;
+  return row(d.device || "device", `${memory} · ${kv} · wait ${formatDuration(d.exposed_wait_s)}`, "process");
+}
+
 export function storeRows(store) {
-  const rows = [row("tier", tierLine(store), "store")];
+  const rows = [row("mode", modeLine(store), "store")];
   if (store.reason && store.reason !== "requested") rows.push(row("why", store.reason, "store"));
   if (store.closed) {
     rows.push(row("holds", store.bytes_while_open ? `closed; held ${formatPlaces(store.bytes_while_open)}` : "closed", "store"));
@@ -103,6 +118,9 @@ export function buildReadout(payload) {
   if (!payload || payload.v !== PAYLOAD_VERSION) return sections;
   const memory = [...deviceNotes(payload.memory), ...memoryBars(payload).flatMap(barRows)];
   sections.push({ title: "memory", rows: memory });
+  // Multi-GPU sampling: each device with its own memory and the KV its stores keep (rows under "devices").
+  const devices = Array.isArray(payload.devices) ? payload.devices : [];
+  if (devices.length > 1) sections.push({ title: "devices", rows: devices.map(deviceRow) });
   for (const s of Array.isArray(payload.stores) ? payload.stores : []) {
     sections.push({ title: `KV ${s.name || "store"}`, rows: storeRows(s) });
   }

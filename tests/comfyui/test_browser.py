@@ -269,6 +269,31 @@ def test_readout_at_default_size_during_and_after_a_run(comfy, page, tmp_path):
     page.screenshot(shots / "kv_memory_sidebar.png")
 
 
+def test_a_multigpu_run_shows_both_devices_while_it_goes(comfy, page, tmp_path):
+    """MultiGPU CFG Split over the two CPU devices of the test nodes: the readout has a row per device, each
+    with its own store, while the run goes; every row fits its node."""
+    shots = shots_dir(tmp_path)
+    page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
+    split = graph(mode="ram_sync", steps=5000, size=4, seed=int(time.time()), cfg=2.0, max_gpus=2)
+    _setup(page, split)
+    close_dialogs(page)
+    assert page.eval(QUEUE_JS) is True
+    both = ("window.__kvo.seen.some((s) => s.event === 'step' && s.sections.includes('devices')"
+            " && /^cpu \\[this process\\]: .*in 1 store/m.test(s.text)"
+            " && /^cpu:1 \\[this process\\]: .*in 1 store/m.test(s.text))")
+    try:
+        page.until(both, RUN_TIMEOUT_S, "a row for each device in the readout while the run goes")
+        live = page.eval(COMPARE_JS)
+        assert live["snap"]["run"]["active"] and len(live["snap"]["devices"]) == 2, live["snap"].get("devices")
+        assert sorted(d["device"] for d in live["snap"]["devices"]) == ["cpu", "cpu:1"]
+        _check_layout(page, "during the multi-GPU run")
+        page.screenshot(shots / "kv_memory_multigpu.png")
+    finally:
+        comfy.request("POST", "/interrupt")
+    page.until("window.__kvo.root.dataset.event === 'final'", RUN_TIMEOUT_S, "the final snapshot in the widget")
+    assert comfy.kv_files() == []
+
+
 def test_a_bad_mode_gives_one_message_on_mode(comfy, page, tmp_path):
     page.until(READY_JS, PAGE_TIMEOUT_S, "the ComfyUI page, our extension and our node types")
     _setup(page, _test_graph(steps=2, seed=5, ref=4))

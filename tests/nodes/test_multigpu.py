@@ -125,3 +125,20 @@ def test_a_stand_down_in_one_thread_leaves_the_store_another_thread_reads_until_
     assert got and torch.equal(got[0], k)
     assert store.closed and key not in run.branches  # closed when its forward ended
     run.close()
+
+
+def test_the_readout_shows_each_device_with_its_stores_while_the_run_goes(tmp_path):
+    from kv_offload_pack.nodes.telemetry import TelemetryHub
+
+    pushed = []
+    hub = TelemetryHub(send=lambda event, payload: pushed.append(payload), min_interval_s=0.0)
+    dm, patched = patched_tiny("ram_sync", tmp_path, telemetry=hub)
+    noise, refs, txts = inputs(0, cfg=True)
+    sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+    live = [p for p in pushed if p["run"]["active"] and len(p["devices"]) == 2]
+    assert live, [p["devices"] for p in pushed]
+    by_device = {d["device"]: d for d in live[-1]["devices"]}
+    assert sorted(by_device) == ["cpu:0", "cpu:1"]
+    assert by_device["cpu:0"]["stores"] == ["cond on cpu:0"] and by_device["cpu:1"]["stores"] == ["uncond on cpu:1"]
+    for d in by_device.values():  # each device's bytes and waits, and its own memory figures
+        assert d["bytes"]["host_pageable"] > 0 and d["memory"]["device"]["type"] == "cpu"

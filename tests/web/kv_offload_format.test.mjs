@@ -66,7 +66,7 @@ function cudaPayload(overrides = {}) {
       system: { ram_total: 64 * GiB, ram_available: 48 * GiB, swap_used: 0, swap_total: 0, cgroup_limit: null, cgroup_usage: null },
     },
     stores: [{
-      name: "cond", requested: "ram_async", tier: "ram_async", reason: "requested", layers: 32,
+      name: "cond", requested: "ram_async", mode: "ram_async", reason: "requested", layers: 32,
       bytes: { device: 128 * MiB, host_pinned: 2 * GiB, host_pageable: 0, file: 0 },
       device_bytes: 128 * MiB, peak_device_bytes: 192 * MiB, resident_layers: 2,
       transfers: { count: 64, bytes: 4 * GiB, seconds: 0.2 }, exposed_wait_s: 0.012,
@@ -96,23 +96,25 @@ test("the CUDA readout separates this process from the whole device", () => {
   assert.ok(text.includes("[whole system] others 10.0 GiB \u00b7 available 48.0 GiB"));
 });
 
-test("a store row shows tier, holdings, device residency, bandwidth and exposed wait per step", () => {
+test("a store row shows its mode, holdings, device residency, bandwidth and exposed wait per step", () => {
   const rows = rowsOf(buildReadout(cudaPayload()));
-  assert.equal(rows["KV cond/tier"].value, "ram_async");
-  assert.equal(rows["KV cond/why"], undefined, "no reason line for a tier that is simply the one asked for");
+  assert.equal(rows["KV cond/mode"].value, "ram_async");
+  assert.equal(rows["KV cond/why"], undefined, "no reason line for a mode that is simply the one asked for");
   assert.equal(rows["KV cond/holds"].value, "device 128 MiB \u00b7 pinned RAM 2.00 GiB");
   assert.equal(rows["KV cond/on device"].value, "128 MiB (peak 192 MiB) \u00b7 2/32 layers");
   assert.equal(rows["KV cond/transfers"].value, "64 loads, 4.00 GiB \u00b7 20.0 GiB/s");
   assert.equal(rows["KV cond/exposed wait"].value, "6.00 ms/step \u00b7 12.0 ms total");
 });
 
-test("a fallback tier says what was asked and why", () => {
+test("a fallback mode says what was asked and why", () => {
   const [store] = cudaPayload().stores;
-  const rows = storeRows({ ...store, tier: "gpu", reason: "ram_async -> gpu: RAM tiers disabled, unified memory (Apple MPS)" });
+  const rows = storeRows({ ...store, mode: "gpu", reason: "ram_async -> gpu: RAM tiers disabled, unified memory (Apple MPS)" });
   assert.equal(rows[0].value, "gpu (asked ram_async)");
   assert.match(rows[1].value, /RAM tiers disabled, unified memory/);
-  const undecided = storeRows({ ...store, requested: "auto", tier: null });
+  const undecided = storeRows({ ...store, requested: "auto", mode: null });
   assert.equal(undecided[0].value, "auto: not decided yet");
+  const older = storeRows({ ...store, mode: undefined, tier: "gpu" });  // a 0.1.0 server: "tier" only
+  assert.equal(older[0].value, "gpu (asked ram_async)");
 });
 
 test("a batch's identical rows show as rows kept of rows put, the bytes saved and the check's cost", () => {
@@ -238,4 +240,20 @@ test("readout: the server's prefix-reuse line is its own last section, nothing w
   assert.equal(last.rows.length, 1);
   assert.ok(JSON.stringify(last.rows[0]).includes(line));
   assert.ok(!buildReadout({ ...cudaPayload(), reuse: null }).some((sec) => sec.title === "reuse"));
+});
+
+test("a multi-GPU run shows each device with its memory and the KV its stores keep", () => {
+  const device = (name, allocated, pinned) => ({
+    device: name, stores: [`cond on ${name}`],
+    memory: { process: { device_allocated: allocated }, device: { type: "cuda", total: 24 * GiB } },
+    bytes: { device: 0, host_pinned: pinned, host_pageable: 0, file: 0 }, exposed_wait_s: 0.012,
+  });
+  const rows = rowsOf(buildReadout(cudaPayload({ devices: [device("cuda:0", 10 * GiB, 2 * GiB), device("cuda:1", 9 * GiB, GiB)] })));
+  assert.equal(rows["devices/cuda:0"].value, "VRAM 10.0 GiB of 24.0 GiB \u00b7 KV pinned RAM 2.00 GiB in 1 store \u00b7 wait 12.0 ms");
+  assert.equal(rows["devices/cuda:1"].value, "VRAM 9.00 GiB of 24.0 GiB \u00b7 KV pinned RAM 1.00 GiB in 1 store \u00b7 wait 12.0 ms");
+  const one = rowsOf(buildReadout(cudaPayload({ devices: [device("cuda:0", 10 * GiB, 2 * GiB)] })));
+  assert.equal(Object.keys(one).some((k) => k.startsWith("devices/")), false, "one device: the memory section says it all");
+  const cpu = rowsOf(buildReadout(cudaPayload({ devices: [{ device: "cpu", memory: { device: { type: "cpu" } } }, { device: "cpu:1" }] })));
+  assert.equal(cpu["devices/cpu"].value, "cpu: no separate device memory \u00b7 KV \u2014 in 0 stores \u00b7 wait \u2014");
+  assert.equal(cpu["devices/cpu:1"].value, "\u2014: no separate device memory \u00b7 KV \u2014 in 0 stores \u00b7 wait \u2014");
 });
