@@ -280,19 +280,49 @@ class SimCuda:
 
     def install(self, monkeypatch) -> "SimCuda":
         """Makes every store created from now on (until `monkeypatch` undoes it) run on this model."""
-        monkeypatch.setattr(devices, "streams_factory", self.streams)
-        monkeypatch.setattr(devices, "wait_for_device", self.wait_current)
-        monkeypatch.setattr(hostmem, "_cuda_register", lambda tensor: True)
-        monkeypatch.setattr(hostmem, "_cuda_unregister", lambda tensor: None)
-        alloc = hostmem.HostAllocator.alloc
-
-        def tracked_alloc(allocator, nbytes):
-            buf = alloc(allocator, nbytes)
-            self.track_host_buffer(buf)
-            return buf
-
-        monkeypatch.setattr(hostmem.HostAllocator, "alloc", tracked_alloc)
+        _install(monkeypatch, self.streams, self.wait_current, [self])
         return self
+
+
+class SimDevices:
+    """Several simulated devices, one `SimCuda` each, as a host with several GPUs: a store on `cpu:i` gets the
+    streams, memory and host waits of device i (`devices.streams_factory`, `devices.wait_for_device` are routed by
+    the device's index), and each device's current stream is its own, per thread. Work queued on one device is
+    never run by another's synchronize, so a store that queued on the wrong device reads stale data."""
+
+    def __init__(self, n: int = 2, schedule: str = "late"):
+        self.sims = [SimCuda(schedule) for _ in range(n)]
+
+    def of(self, device) -> SimCuda:
+        return self.sims[torch.device(device).index or 0]
+
+    def streams(self, device: torch.device, asynchronous: bool, stream_fn=None) -> "SimStreams":
+        return SimStreams(self.of(device), device, asynchronous)
+
+    def wait_current(self, device=None) -> None:
+        self.of(device if device is not None else "cpu").wait_current()
+
+    def install(self, monkeypatch) -> "SimDevices":
+        _install(monkeypatch, self.streams, self.wait_current, self.sims)
+        return self
+
+
+def _install(monkeypatch, streams, wait, sims) -> None:
+    """Stores made from now on get their streams from `streams`, host waits from `wait`, and every host buffer
+    of theirs is tracked by each of `sims` (host memory is the host's: every device may copy from it)."""
+    monkeypatch.setattr(devices, "streams_factory", streams)
+    monkeypatch.setattr(devices, "wait_for_device", wait)
+    monkeypatch.setattr(hostmem, "_cuda_register", lambda tensor: True)
+    monkeypatch.setattr(hostmem, "_cuda_unregister", lambda tensor: None)
+    alloc = hostmem.HostAllocator.alloc
+
+    def tracked_alloc(allocator, nbytes):
+        buf = alloc(allocator, nbytes)
+        for sim in sims:
+            sim.track_host_buffer(buf)
+        return buf
+
+    monkeypatch.setattr(hostmem.HostAllocator, "alloc", tracked_alloc)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
