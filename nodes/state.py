@@ -14,6 +14,7 @@ This module imports no ComfyUI.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import uuid as _uuid
@@ -21,6 +22,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
+from ..offload_core.places import HOST_PLACES
 from ..offload_core.store import KVStore
 from ..offload_core.tiers import KVWriteError
 from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, RunExtension, layer_bytes
@@ -30,6 +32,17 @@ from .readout import guarded
 log = logging.getLogger(__name__)
 
 WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
+
+
+def ram_to_fill(store) -> int:
+    """Bytes of RAM `store` planned to keep and does not hold yet (0 for a store without a plan, or closed)."""
+    plan = getattr(store, "plan", None)
+    if plan is None or getattr(store, "closed", True):
+        return 0
+    counts = plan.counts()
+    planned = sum(counts[p] for p in HOST_PLACES) * plan.layer_bytes
+    held = sum(store.stats()["bytes"].get(p) or 0 for p in HOST_PLACES)
+    return max(0, planned - held)
 
 
 class RunState:
@@ -64,6 +77,7 @@ class RunState:
         self.closed = False
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
         self._lock = threading.RLock()  # guards `branches` (threads of multi-GPU sampling add and drop them)
+        self._planning = threading.Lock()  # multi-GPU sampling: one store plans at a time (`put`, `_host_for`)
         self._warned = set()
         self.extensions: dict[Hashable, RunExtension] = {}  # a family's own state, under its own key object
 
@@ -174,7 +188,13 @@ class RunState:
             branch.store = self.open_store(branch.name, self.thread_device or k.device,
                                            layer_bytes(k, v) * self.n_layers * together)
         try:
-            branch.store.put(layer, k, v)
+            if self.devices and not branch.layers:  # its first put: where the store plans
+                # Stores of several devices plan one at a time, each against the RAM the others booked: the
+                # devices' threads share the host's RAM (`_host_for`).
+                with self._planning:
+                    branch.store.put(layer, k, v)
+            else:
+                branch.store.put(layer, k, v)
         except KVWriteError as exc:
             # Disk full or failing during the capture. This forward computes every layer from the full input
             # anyway, so stepping aside (recompute each step, no extra VRAM) finishes the generation, where
@@ -210,12 +230,31 @@ class RunState:
     def open_store(self, name: str, device, expected_bytes: int, config=None):
         """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
         config = self.config if config is None else config
+        host = self._host_for(name)
         if self.store_factory is None:
-            store = KVStore(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+            store = KVStore(config, device, host=host, expected_bytes=expected_bytes, name=name)
         else:
-            store = self.store_factory(config, device, host=self.host, expected_bytes=expected_bytes, name=name)
+            store = self.store_factory(config, device, host=host, expected_bytes=expected_bytes, name=name)
         self.track_store(name, store)
         return store
+
+    def _host_for(self, name: str):
+        """The host services of new store `name`. Under multi-GPU sampling the free RAM it plans against leaves
+        out what the run's other stores planned to keep in RAM and have not filled yet (another device's store
+        may be filling right now): two devices never book the same free RAM."""
+        free = getattr(self.host, "free_host_memory", None)
+        if not self.devices or not callable(free):
+            return self.host
+
+        def free_beside_others() -> Optional[int]:
+            total = free()
+            if total is None:
+                return None
+            with self._lock:
+                others = [b.store for b in self.branches.values() if b.store is not None and b.name != name]
+            return max(0, total - sum(ram_to_fill(s) for s in others))
+
+        return dataclasses.replace(self.host, free_host_memory=free_beside_others)
 
     def track_store(self, name: str, store) -> None:
         """Show `store` in the readout as `name`, and warn once if it runs in another mode than the one asked."""

@@ -142,3 +142,81 @@ def test_the_readout_shows_each_device_with_its_stores_while_the_run_goes(tmp_pa
     assert by_device["cpu:0"]["stores"] == ["cond on cpu:0"] and by_device["cpu:1"]["stores"] == ["uncond on cpu:1"]
     for d in by_device.values():  # each device's bytes and waits, and its own memory figures
         assert d["bytes"]["host_pageable"] > 0 and d["memory"]["device"]["type"] == "cpu"
+
+
+class _FillTogether(Spy):
+    """Both devices' stores plan, then wait for each other at their second put: their fills overlap."""
+
+    barrier = None
+
+    def put(self, key, k, v):
+        if len(self.threads["put"]) and self.stats()["layers"] == 1 and _FillTogether.barrier is not None:
+            _FillTogether.barrier.wait(30)
+        return super().put(key, k, v)
+
+
+def test_auto_on_two_devices_never_books_the_same_free_ram_twice(tmp_path, monkeypatch):
+    from kv_offload_pack.offload_core import store as store_module
+    from kv_offload_pack.nodes.apply import apply_offload
+    from kv_offload_pack.nodes.inputs import config_from_inputs
+    from kv_offload_pack.offload_core import HostServices
+    from kv_offload_pack.offload_core.places import HOST_PLACES
+    from kv_offload_pack.offload_core.plan import RESERVE_BYTES
+
+    from nodes_tiny import FakePatcher, TinyDiT
+
+    # each CPU device plans as a discrete GPU beside the host's RAM (a stand-in for two GPUs in one host)
+    monkeypatch.setattr(store_module, "same_pool_reason", lambda device: None)
+
+    def ram(stores):
+        return sum(s.stats()["bytes"].get(p) or 0 for s in stores if not s.closed for p in HOST_PLACES)
+
+    inside, overlaps, waited, someone_else = [], [], [], threading.Event()
+
+    def free_host_memory(free_ram):  # as the OS would say; and did two stores plan at once?
+        me = threading.get_ident()
+        if inside and inside[-1] != me:
+            overlaps.append(me)
+            someone_else.set()
+        inside.append(me)
+        try:
+            if len(inside) == 1 and not waited:
+                waited.append(me)  # once a run: the other device's store plans now unless it waits its turn
+                someone_else.wait(1.0)
+            return free_ram - ram(list(Spy.made))
+        finally:
+            inside.remove(me)
+
+    def run(free_ram):
+        Spy.made.clear()
+        _FillTogether.barrier = threading.Barrier(2)
+        inside.clear(), overlaps.clear(), waited.clear(), someone_else.clear()
+        host = HostServices(temp_dir=lambda: str(tmp_path), free_device_memory=lambda d: 0,
+                            free_host_memory=lambda: free_host_memory(free_ram))
+        held = []
+        dm = TinyDiT()
+        patched, _ = apply_offload(FakePatcher(dm), config_from_inputs("auto"), host=lambda p: host,
+                                   store_factory=_FillTogether)
+        noise, refs, txts = inputs(0, cfg=True)
+        real_close = _FillTogether.close
+
+        def close(self):
+            counts = self.plan.counts()  # the RAM layers it planned (beside them, a file layer's staging buffer)
+            held.append(sum(counts[p] for p in HOST_PLACES) * self.plan.layer_bytes)
+            return real_close(self)
+
+        _FillTogether.close = close
+        try:
+            out = sample(dm, patched.options(), noise, refs, txts, cfg=3.0, batched=False, multigpu=True)
+        finally:
+            _FillTogether.close = real_close
+        return out, held
+
+    _, held = run(RESERVE_BYTES + (1 << 40))  # room for everything: what one store plans to keep in RAM
+    layer = max(held) // 4
+    free = RESERVE_BYTES + int(4.8 * layer)  # auto keeps 2/3 of what is free beyond its reserve: 3 layers
+    out, held = run(free)
+    assert sum(held) <= free - RESERVE_BYTES, (held, layer)  # together within what was free (alone: 3 + 3)
+    assert min(held) < max(held)  # the device that planned second saw what the first had booked
+    assert overlaps == []  # one store planned at a time
+    assert torch.equal(out, one_device(tmp_path))
