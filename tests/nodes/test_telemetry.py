@@ -233,10 +233,10 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
     out = subprocess.run(["node", "--input-type=module", "-e", script, str(payload_file)],
                          capture_output=True, text=True, timeout=60, check=True)
     rows = json.loads(out.stdout)
-    for key in ("memory/RAM", "memory/KV cache", "KV cond/tier", "KV cond/holds", "KV cond/transfers",
+    for key in ("memory/RAM", "memory/KV cache", "KV cond/mode", "KV cond/holds", "KV cond/transfers",
                 "KV cond/exposed wait"):
         assert "\u2014" not in rows[key], (key, rows[key])
-    assert rows["KV cond/tier"] == "ram_sync"
+    assert rows["KV cond/mode"] == "ram_sync"
     assert rows["KV cond/batch rows"].startswith("3/6 rows kept \u00b7 6.00 KiB saved"), rows["KV cond/batch rows"]
     assert rows["status/run"].startswith("running")
     store.close()
