@@ -113,7 +113,7 @@ def test_a_run_pushes_throttled_snapshots_one_final_then_silence(comfy, recorder
     final = recorder.messages[-1][2]
     assert final["run"]["active"] is False and final["run"]["forwards"] >= 6
     [store] = final["stores"]
-    assert store["tier"] == "ram_sync" and store["closed"] is True
+    assert store["mode"] == "ram_sync" and store["closed"] is True
     assert store["bytes_while_open"]["host_pageable"] > 0
     _, snap = comfy.request("GET", "/kv_offload/stats")
     assert snap == final, "the route does not serve the final snapshot"
