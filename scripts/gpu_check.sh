@@ -130,7 +130,7 @@ step tests 45 "$py" -m pytest -q "${select[@]}" --junitxml="$out/tests.xml" "${s
 # ComfyUI's multi-GPU sampling (MultiGPU CFG Split): one thread per GPU, a copy of the model on each
 gpus=$("$py" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${gpus:-0}" -ge 2 ]; then
-    step multigpu 60 "$py" -m pytest -q tests/nodes/test_multigpu.py -k two_cuda --junitxml="$out/multigpu.xml"
+    step multigpu 60 "$py" -m pytest -q tests/nodes/test_multigpu.py tests/nodes/test_multigpu_families.py -k two_cuda --junitxml="$out/multigpu.xml"
 else
     echo "== multigpu: skipped, this host has ${gpus:-0} GPU(s) and the case needs 2" | tee "$out/multigpu.skipped"
 fi

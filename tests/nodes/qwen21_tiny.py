@@ -59,6 +59,11 @@ class Tiny21(torch.nn.Module):
         self.prefix_cache = None
         self.prefix_cache_enabled = True
 
+    def to(self, *args, **kwargs):  # the weights are plain lists: moved by hand, as a module's would be
+        self.qkv = [w.to(*args, **kwargs) for w in self.qkv]
+        self.proj = [w.to(*args, **kwargs) for w in self.proj]
+        return super().to(*args, **kwargs)
+
     def reset_prefix_cache(self, enabled=True):
         if self.prefix_cache is not None:
             self.prefix_cache.free()
@@ -93,7 +98,7 @@ class Tiny21(torch.nn.Module):
         hooked = patches.get("attn1_patch") or patches.get("post_input")
         cache, cached = None, False
         if self.prefix_cache_enabled and not hooked:
-            key = torch.cat([prefix.flatten(1), torch.tensor([[float(n_img)]]).expand(B, 1)], dim=1)
+            key = torch.cat([prefix.flatten(1), torch.tensor([[float(n_img)]], device=prefix.device).expand(B, 1)], dim=1)
             cache, cached = self.select_prefix_cache(key, 0, img.device, to.get("qwen_image21_cache", {}))
         x = img
         for i in range(len(self.transformer_blocks)):

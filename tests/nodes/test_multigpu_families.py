@@ -82,6 +82,17 @@ def test_qwen21_a_copy_of_the_model_per_device_matches_the_models_own_cache(tmp_
     assert no_files(tmp_path) == []
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (scripts/gpu_check.sh runs it)")
+def test_qwen21_two_cuda_devices_each_keep_their_own_prefix_cache(tmp_path):
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    reference = qwen21("gpu", tmp_path, multigpu=cuda)  # computed on the GPUs too: the CPU's differs in its bits
+    for mode in LOSSLESS:
+        assert torch.equal(qwen21(mode, tmp_path, multigpu=cuda), reference), mode
+        assert sorted(str(s.device) for s in Spy.made) == ["cuda:0", "cuda:1"], mode
+        _one_thread_each(Spy.made)
+    assert no_files(tmp_path) == []
+
+
 def test_qwen21_a_device_s_cache_reads_the_model_its_thread_runs():
     """Each device runs a copy of the model: its cache keys prefixes by that copy (the reuse key names the model),
     not by the one the node patched."""
