@@ -41,7 +41,10 @@ def ram_to_fill(store) -> int:
         return 0
     counts = plan.counts()
     planned = sum(counts[p] for p in HOST_PLACES) * plan.layer_bytes
-    held = sum(store.stats()["bytes"].get(p) or 0 for p in HOST_PLACES)
+    try:  # its own thread may be closing it right now (an interrupt): then count it as not filled
+        held = sum(store.stats()["bytes"].get(p) or 0 for p in HOST_PLACES)
+    except Exception:  # noqa: BLE001 - a store read from another thread; planning must go on
+        held = 0
     return max(0, planned - held)
 
 
