@@ -20,7 +20,7 @@ from kv_offload_pack.offload_core.reusecost import LOSSES, ReuseCost
 from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import Fills, patched, queue
 
-SLOW_KEY_S = 0.25  # far above what a hit saves on the tiny model (well under a millisecond)
+SLOW_KEY_S = 0.25  # far above what a hit saves on the tiny model (about a millisecond)
 OFF = "a hit would save"  # in the reason of a verdict
 
 
