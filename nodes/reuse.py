@@ -203,9 +203,11 @@ class RunCost:
         return self.cost.off(self.scope(dm, key_tensor))
 
     def read(self, dm, key_tensor: torch.Tensor, seconds: float) -> float:
-        """A key was read in `seconds`; returns the run's key time so far."""
-        self.scopes.append(self.scope(dm, key_tensor))
-        self.key_s += seconds
+        """A key was read in `seconds`; returns the run's key time so far. Only the timed thread's keys count:
+        its forwards are what they are weighed against."""
+        if self._mine():
+            self.scopes.append(self.scope(dm, key_tensor))
+            self.key_s += seconds
         return self.key_s
 
     def _mine(self) -> bool:

@@ -20,7 +20,7 @@ from kv_offload_pack.offload_core.reusecost import LOSSES, ReuseCost
 from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import Fills, patched, queue
 
-SLOW_KEY_S = 0.25  # far above what a hit saves on the tiny model (about a millisecond)
+SLOW_KEY_S = 5.0  # far above what a hit saves on the tiny model (about a millisecond), and above any noise
 OFF = "a hit would save"  # in the reason of a verdict
 
 
@@ -33,13 +33,17 @@ def _empty_registry():
 
 @pytest.fixture
 def slow_key(monkeypatch):
-    """The key of a model whose weights take a quarter second to read: a stand-in for a large model on a CPU.
-    Yields the list of reads."""
-    real, reads = reuse_module.model_state, []
+    """The key of a model whose weights take `SLOW_KEY_S` to read: a stand-in for a large model on a CPU. The
+    clocks that time the key and the forwards run `SLOW_KEY_S` ahead at each read instead of the test sleeping, so
+    the figure can be far above what a loaded machine adds to a forward. Returns the list of reads."""
+    real, reads, ahead = reuse_module.model_state, [], [0.0]
+    clock = SimpleNamespace(perf_counter=lambda: time.perf_counter() + ahead[0])
+    monkeypatch.setattr(reuse_module, "time", clock)  # the key's time
+    monkeypatch.setattr(reusecost, "time", clock)  # the forwards' times
 
     def slow(*args, **kwargs):
         reads.append(1)
-        time.sleep(SLOW_KEY_S)
+        ahead[0] += SLOW_KEY_S
         return real(*args, **kwargs)
     monkeypatch.setattr(reuse_module, "model_state", slow)
     return reads
@@ -132,12 +136,13 @@ def test_the_forwards_of_one_thread_are_compared():
 
     def other():
         cost.begin(cpu)
+        cost.read(Tiny21(), torch.zeros(1, 3), 0.5)
         cost.end(CACHED)
     thread = threading.Thread(target=other)
     thread.start()
     thread.join()
     cost.end(CAPTURE)
-    assert len(cost.times.extract) == 1 and cost.times.cached == []
+    assert len(cost.times.extract) == 1 and cost.times.cached == [] and cost.key_s == 0.0 and cost.scopes == []
 
 
 def test_the_settings_widgets_map_to_what_apply_offload_takes():
@@ -152,3 +157,12 @@ def test_the_branches_of_one_run_count_as_one_run(slow_key):
     assert _off_at(dm) == "" and REUSE.snapshot()["saved_s"] is not None
     queue(dm, m, prompt=1, cfg=3.0)
     assert OFF in _off_at(dm)
+
+
+def test_the_key_read_inside_a_capture_is_not_counted_as_saved():
+    dm = Tiny21()
+    cost = RunCost(ReuseCost(), REUSE)
+    cost.read(dm, torch.zeros(1, 3), 2.0)
+    cost.times.extract, cost.times.cached = [3.0], [0.5, 0.5]  # a capture of 3 s, 2 s of it the key
+    cost.free()
+    assert REUSE.saved_s == 0.5
