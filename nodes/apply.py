@@ -29,12 +29,13 @@ log = logging.getLogger(__name__)
 PATCH_KINDS = ("attn1_patch", "post_input")  # where FluxKVCache and our attention family put their patches
 
 
-def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=None, reuse: bool = False,
+def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=None, reuse: "bool | str" = False,
                   store_factory: Optional[Callable] = None):
     """Return `(patched clone, message)`; the input MODEL is never modified.
 
     host(model_patcher) -> HostServices, evaluated once per run. reuse: keep Qwen-Image 2.1 prefixes across runs
-    (see `nodes/reuse.py`); off for the other families, whatever is asked. store_factory: None, each run's
+    (see `nodes/reuse.py`), turned off where the key costs more than a hit saves, or "always" (`ALWAYS`): on
+    whatever the measurement; off for the other families, whatever is asked. store_factory: None, each run's
     stores are `KVStore`s (`RunState.open_store`); tests pass a stand-in.
     """
     m = model.clone()
@@ -44,7 +45,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
         return m, _said(logging.WARNING, f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack "
                         "knows (FLUX.2 Klein KV, Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions "
                         "that have it, Wan Animate 2); model unchanged.")
-    REUSE.decided(family.name, reuse and config.mode is not Mode.OFF)
+    keeps = REUSE.decided(family.name, reuse if config.mode is not Mode.OFF else False)
     _strip_patches(m, config.mode)
     to = m.model_options.setdefault(TRANSFORMER_OPTIONS, {})
     config, notes = family.patch(m, dm, config, to, reuse)
@@ -52,7 +53,8 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
         add_readout_wrappers(m, telemetry)
         return m, _said(logging.INFO, f"KV Offload: mode off on {family.name}: the prefix is recomputed every step.")
     add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family,
-                                  telemetry=guarded(telemetry), store_factory=store_factory))
+                                  telemetry=guarded(telemetry), store_factory=store_factory,
+                                  reuse=reuse if keeps else False))
     return m, _said(logging.INFO, " ".join([f"KV Offload: mode {config.mode.value} on {family.name}.", *notes]))
 
 

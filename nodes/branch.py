@@ -52,3 +52,13 @@ class RunExtension(Protocol):
     pose cache): freed once the run's stores are closed."""
 
     def free(self) -> None: ...
+
+
+class ForwardWatcher(Protocol):
+    """Told of each forward of a run (`RunState.watchers`): `begin(device)` before it runs (`device`: where it
+    computes, None when unknown), `end(phase)` after it: CAPTURE when it put layers, CACHED when it only read
+    them, PASS when it did neither."""
+
+    def begin(self, device) -> None: ...
+
+    def end(self, phase: str) -> None: ...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..offload_core.config import Mode, OffloadConfig
 from ..offload_core.places import MiB
+from .reuse import ALWAYS
 
 MODES = [m.value for m in Mode]
 STORAGES = ["exact", "fp8", "int8"]
@@ -45,6 +46,12 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
     if storage is not None and m.takes_storage:
         fields["storage"] = storage
     return OffloadConfig(**fields)
+
+
+def reuse_from_inputs(reuse, reuse_always) -> "bool | str":
+    """The `reuse` and `reuse_always` widgets -> what `apply_offload` takes: False, True (reuse turns itself off
+    where it does not pay) or `ALWAYS` (kept on whatever the measurement)."""
+    return ALWAYS if reuse and reuse_always else bool(reuse)
 
 
 def validation_message(**inputs) -> "bool | str":

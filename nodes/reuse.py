@@ -12,6 +12,11 @@ wrapper or attention override, weights offloaded to the CPU) turns reuse off for
 why. A model unload (`ModelPatcher.detach`, also what "free model and node cache" does) or the model object
 going away evicts its entries. Stores in files are not kept: a run's cache folder goes with the run.
 
+Every run pays for the key, hit or miss. Each run that captured a prefix measures what a hit would have saved it
+(`RunCost`, judged by `offload_core/reusecost.py` as the diffusers adapter does); where the key cost more in two
+such runs in a row at one model and prefix size, reuse turns off there with one warning, and later runs at that
+size read no key and report why. The node's `reuse_always` input (`ALWAYS`) keeps reuse on whatever the measurement.
+
 FLUX.2 and Qwen-Image(-Edit) follow ComfyUI's FluxKVCache semantics: on the capture step the reference tokens
 attend to the prompt and the noisy target too, so their K/V depend on both. Reusing them would change the image,
 so reuse stays off there and the readout says why.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -31,6 +37,8 @@ import torch
 from ..offload_core.fingerprint import Unkeyable, model_state, plain
 from ..offload_core.places import FILE
 from ..offload_core.reuse import PrefixKey, PrefixRegistry, describe
+from ..offload_core.reusecost import ReuseCost, StepTimes
+from .branch import CACHED, CAPTURE
 from .keys import (CALLBACKS, MODEL_FUNCTION_WRAPPER, ON_DETACH, OUR_PATCH, PATCHES, PATCHES_REPLACE, PER_STEP_OPTIONS,
                    QWEN21_FAMILY, QWEN21_OPTIONS, RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY, WRAPPERS)
 
@@ -39,6 +47,9 @@ log = logging.getLogger(__name__)
 FLUX_KV_REASON = ("off for FLUX.2 / Qwen-Image(-Edit): with FluxKVCache semantics the reference tokens attend to "
                   "the prompt and the noise on the capture step, so their K/V change with both")
 EXACT_REASON = "on: Qwen-Image 2.1's prefix is causal and modulated at t = 0, so a new seed or sampler reuses it"
+ALWAYS = "always"  # reuse kept on whatever the measurement (the node's `reuse_always` input)
+KEEP_ON = "the node's reuse_always input"  # how a user of the node keeps reuse on, as a verdict's reason says
+REUSE_COST = object()  # the run's extension key of its `RunCost`
 
 
 class NodeReuse:
@@ -50,14 +61,39 @@ class NodeReuse:
         self._watched: set = set()
         self._lock = threading.Lock()
         self.refused: Optional[str] = None  # why the last run's prefix could not be keyed (reuse off for it)
-        self.key_s: Optional[float] = None  # what reading the model for the last key cost
+        self.key_s: Optional[float] = None  # what reading the model for the keys cost the last run
+        self.saved_s: Optional[float] = None  # what a hit would have saved the last run that captured a prefix
         self._last_warned: Optional[str] = None
+        self.cost = ReuseCost(keep_on=KEEP_ON)  # per model (weakly) and prefix size: whether the key pays
+        self._always = ReuseCost(always=True)  # the same for runs with `ALWAYS`: never turned off
+
+    def measure(self, run, always: bool = False) -> "RunCost":
+        """Time `run`'s forwards to judge, when it ends, whether its key paid (`always`: keep reuse on anyway)."""
+        cost = RunCost(self._always if always else self.cost, self)
+        run.watchers.append(cost)
+        return run.add_extension(REUSE_COST, cost)
 
     # -- keys ------------------------------------------------------------------------------------------------
     def key(self, dm, key_tensor: torch.Tensor, run, state=None) -> tuple:
         """`(key, state)`: the model's prefix key plus everything else that shapes the prefix (see the module
         docstring), None when something that may change it cannot be read (then `refused` says what, and reuse is
-        off); `state`: the model's fingerprint, passed back in by the caller so it is read once per run."""
+        off); `state`: the model's fingerprint, passed back in by the caller so it is read once per run.
+
+        Where reuse was judged not to pay at this model and prefix size (`RunCost`), nothing is read: `(None,
+        state)`, `refused` says why (the warning was given once, when it was judged)."""
+        cost: Optional[RunCost] = run.extension(REUSE_COST)
+        off = cost.off(dm, key_tensor) if cost is not None else None
+        if off is not None:
+            self.refused, self.key_s = off, 0.0
+            return None, state
+        began = time.perf_counter()
+        key, state = self._key(dm, key_tensor, run, state)
+        if key is not None:
+            seconds = time.perf_counter() - began
+            self.key_s = cost.read(dm, key_tensor, seconds) if cost is not None else seconds
+        return key, state
+
+    def _key(self, dm, key_tensor: torch.Tensor, run, state) -> tuple:
         patcher = run.patcher or getattr(dm, "current_patcher", None)
         objects = sorted((name, id(obj)) for name, obj in (getattr(patcher, "object_patches", None) or {}).items()
                          if name != OUR_PATCH)
@@ -68,7 +104,7 @@ class NodeReuse:
         except Unkeyable as exc:
             self._refuse(str(exc))
             return None, state
-        self.key_s, self.refused = state.seconds, None
+        self.refused = None
         header = (QWEN21_FAMILY, id(dm), (state.identity, state.digest), str(getattr(patcher, "patches_uuid", None)),
                   tuple(objects), str(key_tensor.device), run.config.storage, options)
         self._watch(dm)
@@ -113,8 +149,9 @@ class NodeReuse:
         return self.registry.clear("cleared")
 
     def reset(self) -> None:
-        """Close everything kept and start the counters anew (a fresh registry with the same budget)."""
+        """Close everything kept and start the counters and the verdicts anew (a fresh registry, same budget)."""
         old, self.registry = self.registry, PrefixRegistry(self.registry.budget, name="comfyui")
+        self.cost, self.refused, self.key_s, self.saved_s = ReuseCost(keep_on=KEEP_ON), None, None, None
         old.close()
 
     # -- reporting -------------------------------------------------------------------------------------------
@@ -124,7 +161,9 @@ class NodeReuse:
         elif not reuse:
             self.status = {"on": False, "reason": "off: the node's reuse input is off"}
         else:
-            self.status = {"on": True, "reason": EXACT_REASON}
+            always = " (reuse_always: kept on whatever the measurement)" if reuse == ALWAYS else ""
+            self.status = {"on": True, "reason": EXACT_REASON + always}
+        return self.status["on"]
 
     def snapshot(self) -> dict:
         """Plain dict for the stats payload: the registry's counters, what it holds, and on/off with the reason."""
@@ -133,7 +172,77 @@ class NodeReuse:
         if self.status["on"] and self.refused:
             line += f"; off for the last run: {self.refused}"
         return {**stats, "on": self.status["on"], "reason": self.status["reason"], "line": line,
-                "refused": self.refused, "key_s": self.key_s}
+                "refused": self.refused, "key_s": self.key_s, "saved_s": self.saved_s}
+
+
+class RunCost:
+    """Whether reuse paid in one run, judged by `NodeReuse.cost` when the run ends (`free`).
+
+    A watcher of the run's forwards (`RunState.watchers`): they are timed (`StepTimes`, on a GPU to the device's
+    completion) from the first until each capture has a later forward to compare with, on one thread (multi-GPU
+    sampling: one device's forwards). A first forward that read no key or captured nothing (a hit) ends the timing:
+    such a run is not judged. `read` adds each key's time and scope (model, prefix size).
+    """
+
+    def __init__(self, cost: ReuseCost, owner: NodeReuse):
+        self.cost, self.owner = cost, owner
+        self.times = StepTimes()
+        self.key_s = 0.0
+        self.scopes: list = []  # (model, prefix size) of each key read this run
+        self._device = None  # where the forward being timed computes
+        self._thread: Optional[int] = None
+        self._done = self._judged = False
+
+    @staticmethod
+    def scope(dm, key_tensor: torch.Tensor) -> tuple:
+        """(model, prefix size): the model's key holds the prompt and references flattened, so its shape grows
+        with the prefix. The model is held weakly: a new model at a dead one's address is another."""
+        return weakref.ref(dm), tuple(key_tensor.shape)
+
+    def off(self, dm, key_tensor: torch.Tensor) -> Optional[str]:
+        return self.cost.off(self.scope(dm, key_tensor))
+
+    def read(self, dm, key_tensor: torch.Tensor, seconds: float) -> float:
+        """A key was read in `seconds`; returns the run's key time so far. Only the timed thread's keys count:
+        its forwards are what they are weighed against."""
+        if self._mine():
+            self.scopes.append(self.scope(dm, key_tensor))
+            self.key_s += seconds
+        return self.key_s
+
+    def _mine(self) -> bool:
+        if self._thread is None:
+            self._thread = threading.get_ident()
+        return self._thread == threading.get_ident()
+
+    def begin(self, device) -> None:
+        if not self._done and device is not None and self._mine():
+            self._device = device
+            self.times.begin(device)  # what the forward does is told at its end
+
+    def end(self, phase: str) -> None:
+        if self._device is None or not self._mine():
+            return
+        device, self._device = self._device, None
+        self.times.end(device, {CAPTURE: True, CACHED: False}.get(phase))
+        # Nothing to compare past a first forward that read no key or captured nothing (a hit); once each capture
+        # has its later forward, `StepTimes` itself times no more.
+        self._done = not self.scopes or not self.times.extract
+
+    def free(self) -> None:
+        """The run ended: what its captures cost beyond as many cached forwards, against its keys' time."""
+        if self._judged:
+            return
+        self._judged = True
+        saved = self.times.saved()
+        if saved is None or not self.scopes:
+            return
+        saved -= self.key_s  # the keys are read inside the capturing forwards: a hit reads them too
+        self.owner.saved_s = saved
+        for scope in dict.fromkeys(self.scopes):
+            off = self.cost.judge(scope, self.key_s, saved)
+            if off is not None:
+                log.warning("KV Offload: prefix reuse is off for this model: %s", off)
 
 
 REUSE = NodeReuse()

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..offload_core.config import MAX_PREFETCH_DEPTH
 from .apply import apply_offload
 from .host import comfy_host_services
-from .inputs import MODES, STORAGES, config_from_inputs, validation_message
+from .inputs import MODES, STORAGES, config_from_inputs, reuse_from_inputs, validation_message
 from .qwen21 import qwen21_support
 from .telemetry import TELEMETRY
 
@@ -37,6 +37,9 @@ TOOLTIPS = {
                "small, measured error in the image (every mode but off).",
     "reuse": "Keep the prefix K/V in RAM or files after the run and reuse it when the same prompt, references and "
              "size come again, so a new seed skips the fill pass (exact only for Qwen-Image 2.1; off for the others).",
+    "reuse_always": "Keep prefix reuse on even where it does not pay. Off: after two runs in a row where reading the "
+                    "model for the reuse key cost more than a hit would save (a small model, or weights that are slow "
+                    "to read), reuse turns itself off for that model and prefix size, with a warning.",
     "ram_budget_mb": "ram_sync / ram_async / auto: most host RAM (MiB) each cache may keep; the rest goes to files "
                      "instead of being dropped (Wan Animate 2: the whole pose cache, all context windows together). "
                      "0: no cap of its own.",
@@ -74,6 +77,8 @@ class KVOffloadSettings(io.ComfyNode):
                 io.Boolean.Input("reuse", default=True, optional=True, tooltip=TOOLTIPS["reuse"]),
                 # After `reuse`: saved workflows list widget values by position, so a new input goes last.
                 _budget("ram_budget_mb", optional=True),
+                io.Boolean.Input("reuse_always", default=False, optional=True, advanced=True,
+                                 tooltip=TOOLTIPS["reuse_always"]),
             ],
             outputs=[io.Model.Output(tooltip="The model with the chosen KV cache mode.")],
             hidden=[io.Hidden.unique_id],  # the memory readout shows this node's own run
@@ -88,10 +93,11 @@ class KVOffloadSettings(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb=0,
-                storage="exact", reuse=True, ram_budget_mb=0) -> io.NodeOutput:
+                storage="exact", reuse=True, ram_budget_mb=0, reuse_always=False) -> io.NodeOutput:
         config = config_from_inputs(mode, prefetch_depth, bypass_page_cache, pin_budget_mb, vram_budget_mb, storage,
                                     ram_budget_mb)
         # the readout tags this node's runs with its id, so the node shows its own run
         telemetry = TELEMETRY.for_node(cls.hidden.unique_id) if cls.hidden else TELEMETRY
-        patched, _ = apply_offload(model, config, host=comfy_host_services, telemetry=telemetry, reuse=bool(reuse))
+        patched, _ = apply_offload(model, config, host=comfy_host_services, telemetry=telemetry,
+                                   reuse=reuse_from_inputs(reuse, reuse_always))
         return io.NodeOutput(patched)

@@ -25,7 +25,7 @@ import torch
 from ..offload_core.places import HOST_PLACES
 from ..offload_core.store import KVStore
 from ..offload_core.tiers import KVWriteError
-from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, RunExtension, layer_bytes
+from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, ForwardWatcher, RunExtension, layer_bytes
 from .keys import RUN_KEY  # noqa: F401  (re-exported: where the live RunState is found)
 from .readout import guarded
 
@@ -83,6 +83,7 @@ class RunState:
         self._planning = threading.Lock()  # multi-GPU sampling: one store plans at a time (`put`, `_host_for`)
         self._warned = set()
         self.extensions: dict[Hashable, RunExtension] = {}  # a family's own state, under its own key object
+        self.watchers: list[ForwardWatcher] = []  # told of each forward (prefix reuse times them: nodes/reuse.py)
 
     # --- one forward -----------------------------------------------------------------------------------
     @property
@@ -140,9 +141,14 @@ class RunState:
     def end_forward(self, ok: bool) -> None:
         """Close the forward: a capture is complete only if its forward ran to the end.
 
-        Then the readout is told (after the drop of an incomplete capture, so it never shows one as kept)."""
+        Then the watchers and the readout are told (after the drop of an incomplete capture, so it never shows
+        one as kept)."""
+        did, self._local.did = getattr(self._local, "did", None) or (), None
         try:
             self._end_forward(ok)
+            phase = CAPTURE if CAPTURE in did else CACHED if CACHED in did else PASS
+            for watcher in self.watchers:
+                watcher.end(phase)
         finally:
             self.telemetry.forward_done()
 
@@ -205,6 +211,7 @@ class RunState:
             self.stand_down(WRITE_FAILED.format(exc))
             return
         branch.layers.add(layer)
+        self._did(CAPTURE)
         self.telemetry.progress()  # a capture step can take seconds: the readout shows the stores filling
 
     def get(self, u, layer: Hashable):
@@ -215,7 +222,15 @@ class RunState:
                 f"KV Offload: no cached reference K/V for layer {layer!r} of cond {u}; the model ran a layer "
                 "on a cached step that it did not run on the capture step. Use mode 'off' for this graph."
             )
-        return branch.store.get(layer)
+        out = branch.store.get(layer)
+        self._did(CACHED)
+        return out
+
+    def _did(self, phase: str) -> None:
+        """Note what this thread's forward does with the stores (what `end_forward` tells the watchers)."""
+        did = getattr(self._local, "did", None)
+        if did is not None:
+            did.add(phase)
 
     # --- stores -------------------------------------------------------------------------------------------
     def unique_name(self, label: str) -> str:
@@ -294,8 +309,12 @@ class RunState:
             except Exception:
                 log.warning("KV Offload: closing a KV store failed", exc_info=True)
 
-    def step(self) -> None:
+    def step(self, device=None) -> None:
+        """Before each forward (`device`: where it computes, None when unknown): the readout, then the watchers."""
         self.telemetry.step()
+        self._local.did = set()
+        for watcher in self.watchers:
+            watcher.begin(device)
 
     def drop_branch(self, u) -> None:
         """Forget branch `u` (a cond, a prefix entry, a pose window) and close its store; nothing if it is gone."""

@@ -11,9 +11,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
+
 from .keys import RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY
 from .patches import MULTI_GPU_KEY, live_run
 from .readout import Readout, guarded
+from .reuse import ALWAYS, REUSE
 from .state import RunState
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,8 @@ class RunSpec:
     config: the validated `OffloadConfig`; host: `host(model_patcher) -> HostServices`, called once per run
     (patcher None when unknown); n_layers: attention layers of the diffusion model (a capture is complete when
     all were seen; sizes `expected_bytes`); family: the model family's `nodes.families.Family`; telemetry: the
-    readout the runs report to; store_factory: None for `KVStore` (tests pass a stand-in).
+    readout the runs report to; store_factory: None for `KVStore` (tests pass a stand-in); reuse: prefixes are
+    kept across runs (Qwen-Image 2.1): True (reuse turns itself off where it does not pay), "always", or False.
     """
 
     config: Any
@@ -37,6 +41,7 @@ class RunSpec:
     family: Any
     telemetry: Readout
     store_factory: Optional[Callable] = None
+    reuse: Any = False
 
 
 def copy_nested_dicts(d: dict) -> dict:
@@ -98,8 +103,13 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
     if run is None:
         return executor(*args, **kwargs)
     run.serve(to.get(MULTI_GPU_KEY), getattr(executor, "class_obj", None))  # ComfyUI's executor: the model
-    run.step()
+    run.step(_device(args))
     return run_then(executor, args, kwargs, run.end_forward)  # a half-captured cond is dropped, never served
+
+
+def _device(args) -> Optional[torch.device]:
+    """Where a forward computes: the device of its first tensor argument (the latent), None without one."""
+    return next((a.device for a in args if isinstance(a, torch.Tensor)), None)
 
 
 def outer_wrapper(spec: RunSpec):
@@ -136,9 +146,12 @@ def new_run(spec: RunSpec, model_options: dict, patcher) -> Optional[RunState]:
     config = spec.family.run_config(spec.config, model_options.get(TRANSFORMER_OPTIONS, {}))
     if config is None:
         return None
-    return RunState(config, spec.host(patcher), spec.n_layers, telemetry=spec.telemetry,
-                    store_factory=spec.store_factory, devices=spec.family.devices, patcher=patcher,
-                    model_options=model_options)
+    run = RunState(config, spec.host(patcher), spec.n_layers, telemetry=spec.telemetry,
+                   store_factory=spec.store_factory, devices=spec.family.devices, patcher=patcher,
+                   model_options=model_options)
+    if spec.reuse:
+        REUSE.measure(run, always=spec.reuse == ALWAYS)
+    return run
 
 
 def _end_run(guider, orig: dict, run: RunState, ok: bool) -> None:

@@ -6,7 +6,8 @@ it against as many later calls of the same request, which run without the prefix
 device's completion). When the key cost at least that much in `LOSSES` such requests in a row at one model and
 prefix size, reuse turns off for that model at that size, with the reason (`session.refused`, a warning, and
 `last_stats[i]["reuse_refused"]`), and the key is not read again there. A larger prefix (another size) is judged
-on its own. `reuse="always"` keeps reuse on whatever the measurement.
+on its own. `reuse="always"` keeps reuse on whatever the measurement. The ComfyUI nodes judge their runs with
+the same two classes (`nodes/reuse.py`), telling `StepTimes` what a forward did once it ran.
 """
 
 from __future__ import annotations
@@ -56,18 +57,26 @@ class StepTimes:
             return None
         return before, after
 
-    def begin(self, device: torch.device, extracting: bool) -> None:
-        if not extracting and len(self.cached) >= len(self.extract):
+    def begin(self, device: torch.device, extracting: Optional[bool] = None) -> None:
+        """Start timing a call. `extracting` None: what the call does is known only once it ran (told to `end`);
+        such a call is timed while it could still be one to compare (no extracting call yet, or one unmatched)."""
+        owed = len(self.cached) < len(self.extract)  # an extracting call still lacks its later call
+        if not (extracting or owed or (extracting is None and not self.extract)):
             return  # enough later calls to compare with
         devices.wait_for_device(device)  # through the module: the tests' model of CUDA replaces it
         self._began, self._extracting = time.perf_counter(), extracting
 
-    def end(self, device: torch.device) -> None:
+    def end(self, device: torch.device, extracting: Optional[bool] = None) -> None:
+        """Stop timing the call; `extracting`: what it did, where `begin` could not tell (None: as told there;
+        a call neither extracting nor later, or a later call beyond those compared, is dropped)."""
         if self._began is None:
             return
         devices.wait_for_device(device)  # through the module: the tests' model of CUDA replaces it
-        (self.extract if self._extracting else self.cached).append(time.perf_counter() - self._began)
-        self._began = None
+        took, self._began = time.perf_counter() - self._began, None
+        extracting = self._extracting if extracting is None else extracting
+        if extracting is None or (not extracting and len(self.cached) >= len(self.extract)):
+            return
+        (self.extract if extracting else self.cached).append(took)
 
     def saved(self) -> Optional[float]:
         """Seconds a hit would have saved this request, once a later call was timed per extracting call."""
@@ -79,8 +88,9 @@ class StepTimes:
 class ReuseCost:
     """Per (model, prefix size): the verdict of the last requests, and the reason once reuse is off there."""
 
-    def __init__(self, always: bool = False) -> None:
+    def __init__(self, always: bool = False, keep_on: str = "reuse='always'") -> None:
         self.always = always
+        self.keep_on = keep_on  # how the user keeps reuse on, as the reason says it
         self._losses: Dict[Hashable, int] = {}
         self._off: Dict[Hashable, str] = {}
         self._lock = threading.Lock()
@@ -101,6 +111,6 @@ class ReuseCost:
                 return None
             reason = (f"reading the model for the key costs {key_s * 1e3:.1f} ms a request and a hit would save "
                       f"{max(saved_s, 0.0) * 1e3:.1f} ms at this prefix size ({losses} requests in a row); "
-                      f"reuse stays off for this model at this size (reuse='always' keeps it on)")
+                      f"reuse stays off for this model at this size ({self.keep_on} keeps it on)")
             self._off[scope] = reason
             return reason

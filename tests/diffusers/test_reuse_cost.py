@@ -109,3 +109,24 @@ def test_step_times_wait_for_the_device_at_both_ends_of_a_timed_call(monkeypatch
     times.begin(cuda, False)  # a later call beyond the one compared: not timed, not waited for
     times.end(cuda)
     assert len(waited) == 4
+
+
+def test_a_call_told_what_it_did_at_its_end_is_timed_while_it_could_be_one_to_compare(monkeypatch):
+    # The ComfyUI nodes learn what a forward did only once it ran (it put layers, or read them).
+    clock = iter(range(100))
+    monkeypatch.setattr(reusecost.time, "perf_counter", lambda: float(next(clock)))
+    times, cpu = StepTimes(), torch.device("cpu")
+    for did in (None, True, False, False, False):  # a forward with no prefix, a capture, then later forwards
+        times.begin(cpu)
+        times.end(cpu, did)
+    assert times.extract == [1.0] and times.cached == [1.0]  # neither: dropped; the later ones beyond: dropped
+    monkeypatch.setattr(reusecost.time, "perf_counter", lambda: pytest.fail("a call timed with nothing to compare"))
+    times.begin(cpu)  # every capture has its later call: not timed
+    times.end(cpu, False)
+    assert times.cached == [1.0]
+
+
+def test_the_reason_says_how_to_keep_reuse_on():
+    cost, scope = ReuseCost(keep_on="the node's reuse_always input"), ("model", "size")
+    reasons = [cost.judge(scope, 0.2, 0.1) for _ in range(LOSSES)]
+    assert reasons[-1].endswith("(the node's reuse_always input keeps it on)")

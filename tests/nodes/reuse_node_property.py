@@ -11,7 +11,7 @@ import torch
 from kv_offload_pack.nodes.reuse import REUSE
 
 from qwen21_tiny import Tiny21
-from reuse_nodes_helpers import patched_with, queue
+from reuse_nodes_helpers import KEEP_ON, patched_with, queue
 
 
 def node_property_run(requests: int, seed: int) -> dict:
@@ -43,7 +43,7 @@ def node_property_run(requests: int, seed: int) -> dict:
             if state["edit"]:
                 dm.qkv[0].data[-1, -1] += 0.5
             outs = []
-            for reuse in (True, False):
+            for reuse in (KEEP_ON, False):  # reuse kept on at the tiny size (see KEEP_ON)
                 key = (state["storage"], reuse)
                 m = models.get(key) or models.setdefault(key, patched_with(dm, state["storage"], reuse=reuse))
                 to = m.model_options["transformer_options"]
