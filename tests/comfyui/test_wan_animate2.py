@@ -108,8 +108,10 @@ def test_comfys_low_bit_choice_is_mapped_and_measured(comfy, dtype):
     assert f"cache dtype '{dtype}' -> storage 'int8'" in comfy.log.read_text(errors="replace")
 
 
-def test_an_interrupted_run_leaves_no_file_then_runs_clean(comfy):
-    code, body = comfy.submit(wan_graph(mode="file_async", windows=True, cfg=2.0, steps=5000, seed=31))
+@pytest.mark.parametrize("max_gpus", [0, 2], ids=["one_device", "multigpu"])
+def test_an_interrupted_run_leaves_no_file_then_runs_clean(comfy, max_gpus):
+    code, body = comfy.submit(wan_graph(mode="file_async", windows=True, cfg=2.0, steps=5000, seed=31,
+                                        max_gpus=max_gpus))
     assert code == 200, body
     prompt_id = body["prompt_id"]
     deadline = time.monotonic() + 120
@@ -122,12 +124,13 @@ def test_an_interrupted_run_leaves_no_file_then_runs_clean(comfy):
     entry = comfy.wait(prompt_id)
     assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]], entry["status"]
     assert comfy.kv_files() == []
-    assert latent(comfy, mode="file_async", windows=True, cfg=2.0, seed=32).equal(
-        latent(comfy, comfy_cache="default", windows=True, cfg=2.0, seed=32))
+    assert latent(comfy, mode="file_async", windows=True, cfg=2.0, seed=32, max_gpus=max_gpus).equal(
+        latent(comfy, comfy_cache=None if max_gpus else "default", windows=True, cfg=2.0, seed=32, max_gpus=max_gpus))
 
 
-def test_an_error_mid_run_leaves_no_file(comfy):
-    bad = wan_graph(mode="file_sync", windows=True, cfg=2.0, seed=33)
+@pytest.mark.parametrize("max_gpus", [0, 2], ids=["one_device", "multigpu"])
+def test_an_error_mid_run_leaves_no_file(comfy, max_gpus):
+    bad = wan_graph(mode="file_sync", windows=True, cfg=2.0, seed=33, max_gpus=max_gpus)
     bad["fail"] = {"class_type": "KVOffloadTestFailAt", "inputs": {"model": bad["sampler"]["inputs"]["model"], "calls": 9}}
     bad["sampler"]["inputs"]["model"] = ["fail", 0]  # 2 blocks a forward: the fifth forward, with the cache filled
     code, body = comfy.submit(bad)
