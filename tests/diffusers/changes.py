@@ -124,6 +124,18 @@ def tf32(pipe):
     return lambda: torch.set_float32_matmul_precision(saved)
 
 
+def tf32_changes_matmuls() -> bool:
+    """Whether the precision switch changes a float32 matmul on this machine: on a CPU without a lower-precision
+    matmul (no bf16 in its vector unit) it changes nothing, and a stale hit across it could not show."""
+    a, b = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)), torch.randn(64, 64)
+    undo = tf32(None)
+    try:
+        lower = a @ b
+    finally:
+        undo()
+    return not torch.equal(lower, a @ b)
+
+
 CHANGES = {
     "data_edit": data_edit,
     "tiny_data_edit": tiny_data_edit,

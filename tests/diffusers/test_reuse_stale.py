@@ -10,7 +10,7 @@ import torch
 from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
 
-from changes import CHANGES
+from changes import CHANGES, tf32_changes_matmuls
 from reuse_helpers import BIG
 
 REFUSED = {"forward_hook", "pre_hook", "diffusers_hook", "attention_backend", "processor_attribute", "tf32"}  # off
@@ -55,9 +55,21 @@ def test_a_change_after_a_kept_prefix_is_never_served_stale(which, name, qwen_pi
 def test_the_change_catalogue_changes_every_image(qwen_pipe, flux_pipe, images):
     """Each change alters the output of at least one pipeline, so a stale hit would show."""
     for name, change in CHANGES.items():
-        differs = [not np.array_equal(_changed_reference(p, images[:1], change), _run(p, images[:1]))
-                   for p in (qwen_pipe, flux_pipe)]
-        assert any(differs), f"{name} changes neither image: it tests nothing"
+        if name != "tf32":  # the next test: whether it changes anything depends on the CPU
+            _assert_changes_an_image(name, change, (qwen_pipe, flux_pipe), images)
+
+
+def test_the_precision_switch_changes_an_image_where_the_machine_has_a_lower_precision_matmul(
+        qwen_pipe, flux_pipe, images):
+    if not tf32_changes_matmuls():
+        pytest.skip("this CPU has no lower-precision float32 matmul (no bf16 in its vector unit): the 'tf32' change "
+                    "alters nothing here, so its stale-hit case is checked for refusal only")
+    _assert_changes_an_image("tf32", CHANGES["tf32"], (qwen_pipe, flux_pipe), images)
+
+
+def _assert_changes_an_image(name, change, pipes, images):
+    differs = [not np.array_equal(_changed_reference(p, images[:1], change), _run(p, images[:1])) for p in pipes]
+    assert any(differs), f"{name} changes neither image: it tests nothing"
 
 
 @pytest.mark.parametrize("storage", ["fp8", "int8"])
