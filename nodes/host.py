@@ -55,7 +55,7 @@ class RunDir:
 
     def __init__(self, root=cache_root):
         self._root = root
-        self._lock = threading.Lock()  # file tiers of cond and uncond may ask at once
+        self._lock = threading.Lock()  # the file stores of cond and uncond may ask at once
         self._owned = None
 
     @property
@@ -104,8 +104,10 @@ def reclaim_leftovers() -> None:
     """
     try:
         root = cache_root()
-    except Exception:
-        log.debug("no cache folder to look at", exc_info=True)
+    except Exception as exc:  # the pack loads anyway; a file mode's run asks for the folder again
+        log.warning("KV Offload: could not find the cache folder at load (%s: %s); what ended processes left "
+                    "in it is removed when a file mode's run next makes its directory there",
+                    type(exc).__name__, exc)
         return
     if os.path.isdir(root):
         reclaim(root, "run-")

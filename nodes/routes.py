@@ -35,6 +35,7 @@ def _comfy_device():
         import comfy.model_management as mm
 
         return mm.get_torch_device()
-    except Exception:
-        log.debug("could not read ComfyUI's torch device", exc_info=True)
+    except Exception as exc:  # the readout works without it, on the engine's default device
+        log.warning("KV Offload: could not read ComfyUI's torch device (%s: %s); the memory readout reports the "
+                    "engine's default device instead", type(exc).__name__, exc)
         return None

@@ -32,6 +32,7 @@ from .readout import guarded
 log = logging.getLogger(__name__)
 
 WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
+_WARNED: set = set()  # what was said once a process at WARNING (at DEBUG after that)
 
 
 def ram_to_fill(store) -> int:
@@ -190,7 +191,7 @@ class RunState:
             return
         branch = self.branches[u]
         if branch.store is None:
-            # The stores of one forward each pick a tier at their first put, against the same free memory: size
+            # The stores of one forward each plan their places at their first put, against the same free memory: size
             # each for all conds captured together, so `auto` never books the same free VRAM / RAM twice.
             together = max(len(self.forward.capture), 1) if self.forward is not None else 1
             branch.name = self.unique_name(label)
@@ -303,11 +304,14 @@ class RunState:
             log.warning("KV Offload: %s; the reference K/V is recomputed every step for this run.", reason)
         self.forward = None
         busy = {u for fwd in list(self._active.values()) for u in fwd.uuids}
-        for u in [u for u in list(self.branches) if u not in busy]:
-            try:
-                self.drop_branch(u)
-            except Exception:
-                log.warning("KV Offload: closing a KV store failed", exc_info=True)
+        errors = self._close_branches([u for u in list(self.branches) if u not in busy])
+        interrupt = next((e for e in errors if not isinstance(e, Exception)), None)
+        for e in errors:  # the run goes on without the cache: a store that failed to close must not end it
+            if e is not interrupt:
+                log.warning("KV Offload: closing a KV store failed while the cache stood down (%s: %s); the run "
+                            "goes on without it", type(e).__name__, e, exc_info=(type(e), e, e.__traceback__))
+        if interrupt is not None:  # only now that every other store is closed
+            raise interrupt
 
     def step(self, device=None) -> None:
         """Before each forward (`device`: where it computes, None when unknown): the readout, then the watchers."""
@@ -317,11 +321,21 @@ class RunState:
             watcher.begin(device)
 
     def drop_branch(self, u) -> None:
-        """Forget branch `u` (a cond, a prefix entry, a pose window) and close its store; nothing if it is gone."""
+        """Forget what `u` keys (a cond's branch, a prefix entry, a pose window), closing its store; nothing if gone."""
         with self._lock:
             branch = self.branches.pop(u, None)
         if branch is not None and branch.store is not None:
             branch.store.close()
+
+    def _close_branches(self, keys) -> list:
+        """Drop the branches `keys`, each even when closing another failed; the failures, in order."""
+        errors = []
+        for u in keys:
+            try:
+                self.drop_branch(u)
+            except BaseException as e:  # close the others anyway, also after a Ctrl-C in one close
+                errors.append(e)
+        return errors
 
     def close(self) -> None:
         """Close every store (finishes or cancels transfers, frees buffers, deletes files). Idempotent."""
@@ -329,12 +343,7 @@ class RunState:
             return
         self.closed = True
         self.forward = None
-        errors = []
-        for u in list(self.branches):
-            try:
-                self.drop_branch(u)
-            except BaseException as e:  # close the others anyway, also after a Ctrl-C in one close
-                errors.append(e)
+        errors = self._close_branches(list(self.branches))
         self.branches.clear()
         self._remove_temp_dir()
         if errors:  # an interrupt first: it must not be replaced by an error from another store
@@ -366,5 +375,8 @@ class RunState:
         if callable(cleanup):
             try:
                 cleanup()
-            except Exception:
-                log.warning("KV Offload: could not remove the run's cache directory", exc_info=True)
+            except Exception as exc:  # the run is over either way: a folder left behind must not fail it
+                level = logging.DEBUG if "temp_dir" in _WARNED else logging.WARNING
+                _WARNED.add("temp_dir")
+                log.log(level, "KV Offload: could not remove the run's cache directory (%s: %s); it stays on disk "
+                        "until the pack next loads and reclaims it", type(exc).__name__, exc, exc_info=True)

@@ -233,8 +233,8 @@ class TelemetryHub(Readout):
             return
         try:
             send(EVENT, payload)
-        except Exception:  # the readout must never break sampling
-            log.warning("could not push %s", EVENT, exc_info=True)
+        except Exception:  # the readout must never break sampling: the page misses this push, said once
+            log_failure(f"push of {EVENT}")
 
 
 def _summary(ref) -> Optional[dict]:

@@ -205,15 +205,18 @@ class HostAllocator:
         buf = HostBuffer(nbytes)
         if self.pin and nbytes:
             fits = self._reserve(nbytes)  # before pinning, so two threads (or two stores) cannot overshoot
+            why = "pin budget exhausted"
             try:
-                if fits and self._try_pin(buf):
-                    return buf
+                if fits:
+                    why = self._try_pin(buf)
+                    if why is None:
+                        return buf
             except BaseException:  # a pinner that answered nonsense (or an interrupt): the budget is given back
                 self._unreserve(nbytes)
                 raise
             if fits:
                 self._unreserve(nbytes)
-            self._note_fallback("pin budget exhausted" if not fits else "the pinning service refused", nbytes)
+            self._note_fallback(why, nbytes)
         with self._lock:
             self.pageable_bytes += nbytes
         return buf
@@ -237,12 +240,12 @@ class HostAllocator:
         for budget in self._budgets:
             budget.release(nbytes)
 
-    def _try_pin(self, buf: HostBuffer) -> bool:
+    def _try_pin(self, buf: HostBuffer) -> Optional[str]:
+        """Page-locks `buf` through the pinning service: None when it did, else why not (for the one warning)."""
         try:
             pinned = self._pin_fn(buf.tensor)
-        except Exception as exc:  # a refused pin is a slower copy, never a failed request
-            log.debug("pinning %d bytes failed: %s", buf.nbytes, exc)
-            pinned = False
+        except Exception as exc:  # a refused pin is a slower copy, never a failed request: said once, with this
+            return f"the pinning service raised {type(exc).__name__}: {exc}"
         # Anything but a bool is no answer: a truthy tensor (`t.pin_memory()` returns a pinned *copy*) would be
         # taken for "pinned in place" and copied from asynchronously while it is pageable.
         if not isinstance(pinned, bool) and type(pinned).__name__ != "bool_":
@@ -250,7 +253,7 @@ class HostAllocator:
                              "page-lock the tensor it is given in place and return True, or return False when it "
                              "refuses. Fix that callable, or leave pin/unpin None so the engine pins itself.")
         buf.pinned = bool(pinned)
-        return buf.pinned
+        return None if buf.pinned else "the pinning service refused"
 
     def _note_fallback(self, why: str, nbytes: int) -> None:
         if self.fallback_reason is None:

@@ -65,14 +65,19 @@ def test_a_refused_pin_is_a_fallback_not_a_failure():
     assert pinner.pinned == set()
 
 
-def test_pinning_service_exception_is_contained():
+def test_pinning_service_exception_is_contained_and_said_once_with_its_reason(caplog):
     def broken(tensor):
         raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
 
     alloc = HostAllocator(pin=True, budget=1 << 20, pin_fn=broken, unpin_fn=lambda t: None)
-    buf = alloc.alloc(4096)
-    assert not buf.pinned and alloc.pinned_bytes == 0
-    alloc.free(buf)
+    with caplog.at_level(logging.WARNING, logger="offload_core.hostmem"):
+        bufs = [alloc.alloc(4096) for _ in range(3)]
+    assert not any(b.pinned for b in bufs) and alloc.pinned_bytes == 0
+    assert alloc.fallback_reason == "the pinning service raised RuntimeError: cudaErrorHostMemoryAlreadyRegistered"
+    said = [r.getMessage() for r in caplog.records if "pageable memory" in r.getMessage()]
+    assert len(said) == 1 and "cudaErrorHostMemoryAlreadyRegistered" in said[0]
+    for b in bufs:
+        alloc.free(b)
 
 
 def test_two_stores_share_one_budget():

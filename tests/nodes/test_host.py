@@ -163,3 +163,17 @@ def test_a_failing_free_memory_query_is_said_once_at_warning(monkeypatch, tmp_pa
             assert services.free_host_memory() is None
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(said) == 2 and all("RuntimeError: driver gone" in m and "mode auto plans" in m for m in said)
+
+
+def test_a_cache_folder_that_cannot_be_found_at_load_is_said_at_warning_and_the_pack_loads(monkeypatch, caplog):
+    import logging
+
+    def broken():
+        raise RuntimeError("folder_paths not ready")
+
+    monkeypatch.setattr(host_mod, "cache_root", broken)
+    with caplog.at_level(logging.WARNING, logger=host_mod.log.name):
+        host_mod.reclaim_leftovers()  # returns: loading the pack goes on
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "RuntimeError: folder_paths not ready" in said[0]
+

@@ -1,5 +1,7 @@
 """`RunState` on real engine stores: when a capture counts, how `auto` sizes cond and uncond, readout names."""
 
+import logging
+
 import pytest
 import torch
 
@@ -77,3 +79,65 @@ def test_an_interrupt_while_closing_one_store_still_closes_the_others(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run.close()
     assert first.closed and second.closed and run.branches == {}
+
+
+def _two_stores():
+    run = RunState(OffloadConfig(mode="ram_sync"), HostServices(), n_layers=1, store_factory=KVStore)
+    k = torch.randn(1, 2, 4, 8)
+    run.begin_forward(["c", "u"], ref_tokens=4, batch=2)
+    run.put("c", 0, k, k)
+    run.put("u", 0, k, k)
+    run.end_forward(ok=True)
+    return run, [b.store for b in run.branches.values()]
+
+
+def _failing_close(store, exc):
+    def close():
+        KVStore.close(store)
+        raise exc
+
+    store.close = close
+
+
+def test_a_store_that_fails_to_close_on_a_stand_down_is_said_once_and_the_run_goes_on(caplog):
+    run, (first, second) = _two_stores()
+    _failing_close(first, RuntimeError("device lost"))
+    with caplog.at_level(logging.WARNING, logger="kv_offload_pack.nodes.state"):
+        run.stand_down("the disk filled up")  # returns: the run samples on without the cache
+    assert first.closed and second.closed and run.branches == {}
+    said = [r for r in caplog.records if "failed while the cache stood down" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: device lost" in said[0].getMessage()
+    run.close()
+
+
+def test_an_interrupt_while_standing_down_closes_the_other_stores_first():
+    run, (first, second) = _two_stores()
+    _failing_close(first, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        run.stand_down("the disk filled up")
+    assert first.closed and second.closed
+
+
+def test_a_run_directory_that_cannot_be_removed_is_said_once_at_warning(monkeypatch, caplog):
+    from kv_offload_pack.nodes import state
+
+    monkeypatch.setattr(state, "_WARNED", set())
+
+    class Stuck:  # the host's per-run directory (`nodes/host.py`'s RunDir): called for its path, cleaned up at the end
+        def __call__(self):
+            return "/nonexistent"
+
+        def cleanup(self):
+            raise PermissionError("busy")
+
+    def one_run():
+        run = RunState(OffloadConfig(mode="ram_sync"), HostServices(temp_dir=Stuck()), n_layers=1,
+                       store_factory=KVStore)
+        run.close()  # does not raise: the run is over, a folder left behind is said
+
+    with caplog.at_level(logging.DEBUG, logger="kv_offload_pack.nodes.state"):
+        one_run()
+        one_run()
+    said = [r for r in caplog.records if "could not remove the run's cache directory" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.DEBUG]
+    assert "PermissionError: busy" in said[0].getMessage()

@@ -6,6 +6,7 @@ real engine `KVStore`s on the CPU.
 
 import gc
 import json
+import logging
 import pathlib
 import shutil
 import subprocess
@@ -204,6 +205,26 @@ def test_a_readout_call_that_fails_is_logged_and_never_breaks_the_run(caplog):
     assert {r.getMessage().split("'s ")[1] for r in failed} >= {"track() failed", "progress() failed",
                                                                 "forward_done() failed"}
     assert all(r.exc_info for r in failed)
+
+
+def test_a_server_that_refuses_every_push_is_said_once_at_warning_and_the_run_goes_on(monkeypatch, caplog):
+    from kv_offload_pack.nodes import readout
+
+    monkeypatch.setattr(readout, "_FAILED", set())
+
+    def refuse(event, data):
+        raise ConnectionError("socket closed")
+
+    clock = FakeClock()
+    hub = T.TelemetryHub(send=refuse, clock=clock)
+    with caplog.at_level("DEBUG", logger=T.__name__):  # the readout logs under the telemetry logger
+        for run in ("r1", "r2"):  # each run ends with a final snapshot
+            hub.run_started(run)
+            clock.advance(1.0)
+            hub.run_finished(run)
+    said = [r for r in caplog.records if f"push of {T.EVENT}" in r.getMessage()]
+    assert len(said) >= 2 and [r.levelno for r in said].count(logging.WARNING) == 1
+    assert said[0].levelno == logging.WARNING and said[0].exc_info
 
 
 def test_payload_is_strict_json():
