@@ -21,8 +21,8 @@ def config_from_inputs(mode, prefetch_depth=None, bypass_page_cache=None, pin_bu
     """The node's widgets -> a validated `OffloadConfig` (raises the engine's `ValueError`).
 
     A widget always holds a value, so options that do not apply to the picked mode are left out rather
-    than rejected: prefetch depth and pin budget reach only the async tiers and `auto`, the page-cache
-    switch only the file tiers and `auto`, the VRAM budget only the streaming modes and `auto`, the RAM budget
+    than rejected: prefetch depth and pin budget reach only the async modes and `auto`, the page-cache
+    switch only the file modes and `auto`, the VRAM budget only the streaming modes and `auto`, the RAM budget
     (overflow to files) only the RAM modes and `auto`, the storage every mode but `off`. A budget of 0 leaves
     it to ComfyUI / the mode.
     """

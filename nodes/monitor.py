@@ -17,7 +17,7 @@ DISPLAY_NAME = "KV Memory Monitor"
 CATEGORY = "kv_offload"
 DESCRIPTION = (
     "Live readout of device memory, process RSS, system RAM and swap, and of every KV cache store in use: "
-    "the tier in effect (and why), bytes per tier, bytes resident on the device, transfer bandwidth and "
+    "the mode in effect (and why), bytes per place, bytes on the device, transfer bandwidth and "
     "the time sampling waited for the cache. Updated during runs (at most 4 times a second) and once at "
     "the end; nothing is sent while idle. Needs no wires: it is a display and never executes."
 )

@@ -4,7 +4,7 @@ The contract is the one of ComfyUI's own `FluxKVCache` (comfy_extras/nodes_flux.
 sees each block's joint q/k/v (B, H, L, D) before RoPE, with the reference tokens last; on the first step
 their K/V are captured, on later steps a `post_input` patch drops the reference tokens from the sequence
 (RoPE still covers them: `img_ids` are kept) and the attention patch appends the cached K/V again. Where
-`FluxKVCache` keeps one GPU dict per block, we keep one engine `KVStore` per cond, of the chosen tier.
+`FluxKVCache` keeps one GPU dict per block, we keep one engine `KVStore` per cond, in the chosen mode.
 
 Every function here is stateless: the per-run `RunState` is read from `transformer_options[RUN_KEY]`,
 which only the outer-sample wrapper of a run puts there. No ComfyUI import.
@@ -64,7 +64,7 @@ def branch_keys(to: dict) -> list:
 
 
 class RefKVAttention:
-    """`attn1_patch`: captures the reference K/V on the extraction forward, feeds it back afterwards."""
+    """`attn1_patch`: captures the reference K/V on the capture forward, feeds it back afterwards."""
 
     kv_offload = True  # marks our patches, so re-applying the node replaces rather than stacks them
 

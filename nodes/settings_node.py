@@ -13,7 +13,7 @@ from .telemetry import TELEMETRY
 
 MODE_TOOLTIP = (
     "Where the reference-image K/V cache lives between denoising steps. "
-    "auto: the fastest tier that fits free VRAM / RAM / pinned budget now. "
+    "auto: the fastest places that the free VRAM / RAM / pinned budget hold now, layer by layer. "
     "off: no cache, the prefix is recomputed every step. "
     "gpu: in VRAM (same as ComfyUI's Flux KV Cache). "
     "ram_sync / ram_async: host RAM, copied back layer by layer (async: pinned, prefetched behind compute). "

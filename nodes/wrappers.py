@@ -43,6 +43,10 @@ class RunSpec:
     store_factory: Optional[Callable] = None
     reuse: Any = False
 
+    def run_config(self, to: dict):
+        """This run's config: the node's, as the family adjusts it to the run's options `to`; None: stand down."""
+        return self.family.run_config(self.config, to)
+
 
 def copy_nested_dicts(d: dict) -> dict:
     """ComfyUI's `create_model_options_clone`: dicts copied recursively, lists shallowly, values shared."""
@@ -143,7 +147,7 @@ def new_run(spec: RunSpec, model_options: dict, patcher) -> Optional[RunState]:
 
     patcher and model_options: what prefix reuse keys by (the weight-patch set this run samples with, and the
     options that reach the forward)."""
-    config = spec.family.run_config(spec.config, model_options.get(TRANSFORMER_OPTIONS, {}))
+    config = spec.run_config(model_options.get(TRANSFORMER_OPTIONS, {}))
     if config is None:
         return None
     run = RunState(config, spec.host(patcher), spec.n_layers, telemetry=spec.telemetry,

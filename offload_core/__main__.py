@@ -40,9 +40,9 @@ def run_interruptible(fn, *args) -> int:
 # name -> (module, one line for the help). Modules are imported only when their command runs.
 COMMANDS = {
     "bench": ("offload_core.bench", "the speed/memory table of every KV-cache mode on this machine"),
-    "stream": ("offload_core.bench.streamcli", "each tier's throughput against this machine's raw disk, RAM and PCIe "
+    "stream": ("offload_core.bench.streamcli", "each mode's throughput against this machine's raw disk, RAM and PCIe "
                "limits, and how much of it compute hides"),
-    "demo": ("offload_core.democli", "a round trip through every tier with synthetic K/V: checked, then timed"),
+    "demo": ("offload_core.democli", "a round trip through every mode with synthetic K/V: checked, then timed"),
 }
 
 

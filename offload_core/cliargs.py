@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import os
 import re
+import sys
 import tempfile
 from typing import Optional
 
@@ -28,6 +29,18 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
+
+
+def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
+    """Accept `old` for one release as another name of option `new` (same value); using it says so on stderr."""
+
+    class Alias(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            print(f"{parser.prog}: {old} is deprecated and goes in the next release; use {new}.", file=sys.stderr)
+            setattr(namespace, self.dest, values)
+
+    parser.add_argument(old, dest=new.lstrip("-").replace("-", "_"), action=Alias, default=argparse.SUPPRESS,
+                        metavar=new.lstrip("-").upper(), help=f"deprecated alias of {new}, kept for one release")
 
 
 def at_least(parser: argparse.ArgumentParser, option: str, value, low, why: str = "", high=None) -> None:

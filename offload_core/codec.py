@@ -187,7 +187,7 @@ class Compact:
         codec = self.codec
         ek, ev = codec.encode(k), codec.encode(v)
         err = add_error(codec.error(k, ek), codec.error(v, ev))
-        # One host sync per layer put, lossy storage only (exact storage never syncs here): the extraction pass
+        # One host sync per layer put, lossy storage only (exact storage never syncs here): the capture
         # waits for this layer's encode before it queues the next layer.
         held = codec.holds(ek, k) & codec.holds(ev, v)
         held, top, worst, sq_err, sq_ref = torch.cat([held.reshape(1).float(), err]).tolist()

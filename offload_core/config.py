@@ -46,12 +46,12 @@ class Mode(str, enum.Enum):
 
     @property
     def takes_async_options(self) -> bool:
-        """`prefetch_depth` and `pin_budget` mean something: an async tier, or `auto` (which may pick one)."""
+        """`prefetch_depth` and `pin_budget` mean something: an async mode, or `auto` (which may pick one)."""
         return self.is_async or self is Mode.AUTO
 
     @property
     def takes_file_options(self) -> bool:
-        """`file_dir` and `bypass_page_cache` mean something: a file tier, or `auto` (which may pick one)."""
+        """`file_dir` and `bypass_page_cache` mean something: a file mode, or `auto` (which may pick one)."""
         return self.is_file or self is Mode.AUTO
 
     @property
@@ -88,12 +88,12 @@ class OffloadConfig:
 
     Args:
         mode: where the cache lives between uses (see `Mode`); `auto` picks from free memory at first `put`.
-        prefetch_depth: layers copied ahead of the consumer (async tiers only; default 1, at most 8).
-        file_dir: existing writable directory for the file tiers; default a fresh private temp directory
+        prefetch_depth: layers copied ahead of the consumer (async modes only; default 1, at most 8).
+        file_dir: existing writable directory for the file modes; default a fresh private temp directory
             that is deleted on close.
-        bypass_page_cache: file tiers only (default True): read with O_DIRECT where the filesystem allows it,
-            else drop written and read pages with posix_fadvise, so the file tier really saves RAM.
-        pin_budget: bytes of page-locked host memory this store may pin (async tiers only), inside the one
+        bypass_page_cache: file modes only (default True): read with O_DIRECT where the filesystem allows it,
+            else drop written and read pages with posix_fadvise, so a file mode really saves RAM.
+        pin_budget: bytes of page-locked host memory this store may pin (async modes only), inside the one
             budget every store of the process shares: the host pinning service's (ComfyUI's), else a quarter of
             the physical RAM (`hostmem.process_pin_budget()`). Default: no cap of its own.
         device_budget: bytes of the cache (as kept) a store may hold resident on the device; whole layers up
@@ -137,7 +137,7 @@ class OffloadConfig:
 
     @property
     def depth(self) -> int:
-        """Layers in flight ahead of the consumer; 0 for the tiers that never prefetch."""
+        """Layers in flight ahead of the consumer; 0 for the modes that never prefetch."""
         if self.prefetch_depth is not None:
             return self.prefetch_depth
         return 1 if self.mode.takes_async_options else 0
@@ -159,7 +159,7 @@ def _check_prefetch_depth(mode: Mode, depth: Optional[int]) -> None:
         raise ValueError(f"`prefetch_depth` must be an int; got {depth!r} ({type(depth).__name__}). Pass e.g. 1.")
     if not mode.takes_async_options:
         raise ValueError(
-            f"`prefetch_depth` only applies to the async tiers ('ram_async', 'file_async') and 'auto'; got "
+            f"`prefetch_depth` only applies to the async modes ('ram_async', 'file_async') and 'auto'; got "
             f"prefetch_depth={depth} with mode {mode.value!r}. Remove it, or pick an async mode."
         )
     if not 1 <= depth <= MAX_PREFETCH_DEPTH:
@@ -213,7 +213,7 @@ def _check_pin_budget(mode: Mode, budget: Optional[int]) -> None:
         raise ValueError(f"`pin_budget` must be a number of bytes >= 0; got {budget!r}. Pass e.g. 8 << 30.")
     if not mode.takes_async_options:
         raise ValueError(
-            f"`pin_budget` only applies to the async tiers; got pin_budget={budget} with mode {mode.value!r}. "
+            f"`pin_budget` only applies to the async modes; got pin_budget={budget} with mode {mode.value!r}. "
             "Remove it, or pick 'ram_async' / 'file_async'."
         )
 

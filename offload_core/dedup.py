@@ -8,7 +8,7 @@ handed row 0 alone (dedup first, then the codec, which encodes that row); at `ge
 ring slot and broadcast to the B rows there, a copy on the device, so the consumer gets the `(B, ...)`
 tensors that were put. A difference in any element of any row, in K or in V, keeps the layer whole.
 
-The check needs its answer at `put`, so it waits for the device once per layer, on the extraction step only;
+The check needs its answer at `put`, so it waits for the device once per layer, on the capture step only;
 `stats()["dedup"]["check_s"]` is its measured cost (the comparison and that wait, after the device had
 finished the work queued before it). `OffloadConfig(dedup=False)` skips it.
 """

@@ -1,7 +1,7 @@
-"""`python -m offload_core demo`: a round trip through every tier with synthetic K/V, checked, then timed.
+"""`python -m offload_core demo`: a round trip through every mode with synthetic K/V, checked, then timed.
 
-Not the benchmark (that runs a real pipeline); a quick check that each tier works on this machine. Each row
-says whether every layer came back bit-identical and whether the cache really lived in that tier; the command
+Not the benchmark (that runs a real pipeline); a quick check that each mode works on this machine. Each row
+says whether every layer came back bit-identical and whether the cache really lived in that mode's places; the command
 exits 1 when any row fails either check.
 """
 

@@ -31,14 +31,14 @@ def check_file_options(mode, file_dir: Optional[str], bypass: Optional[bool], sp
             raise ValueError(f"`bypass_page_cache` must be True or False; got {bypass!r}.")
         if not file_like:
             raise ValueError(
-                f"`bypass_page_cache` only applies to the file tiers (and RAM modes with a `host_budget`); got "
+                f"`bypass_page_cache` only applies to the file modes (and RAM modes with a `host_budget`); got "
                 f"bypass_page_cache={bypass} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
             )
     if file_dir is None:
         return
     if not file_like:
         raise ValueError(
-            f"`file_dir` only applies to the file tiers (and RAM modes with a `host_budget`); got "
+            f"`file_dir` only applies to the file modes (and RAM modes with a `host_budget`); got "
             f"file_dir={file_dir!r} with mode {mode.value!r}. "
             "Remove it, or pick 'file_sync' / 'file_async'."
         )

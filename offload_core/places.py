@@ -1,8 +1,7 @@
 """The places a layer's K/V can be kept, and the units its size is counted in: defined here once.
 
-A *place* is where one layer's bytes live between gets; it is what `KVStore.stats()["bytes"]` is keyed by and
-what the planner assigns. A *mode* (`config.Mode`) is what the user picks; it decides which places the planner
-may use. A *tier* is the code that keeps the bytes of one or more places (`tiers/`).
+The place names key `KVStore.stats()["bytes"]` and are what the planner assigns; a mode (`config.Mode`) decides
+which of them it may use. What a place, a mode and a tier are: docs/glossary.md.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ def room(free: Optional[int]) -> int:
 
 
 def resolve(requested: Mode, unified: Optional[str]) -> Tuple[Mode, str]:
-    """The tier an explicit mode actually gets: RAM tiers become `gpu` where RAM and VRAM are one pool."""
+    """The mode an explicit mode actually runs as: the RAM modes become `gpu` where RAM and VRAM are one pool."""
     if requested.is_ram and unified is not None:
-        return Mode.GPU, f"{requested.value} -> gpu: RAM tiers disabled, {unified}"
+        return Mode.GPU, f"{requested.value} -> gpu: RAM modes disabled, {unified}"
     return requested, "requested"
 
 

@@ -39,7 +39,7 @@ class StoreResources:
         self._config, self._host, self._stats = config, host, stats
         self.depth = config.depth if asynchronous else 0
         self.streams = open_streams(device, asynchronous, host.stream)
-        # Pinned memory only pays where copies are asynchronous (async tiers on CUDA). One pinned-memory budget
+        # Pinned memory only pays where copies are asynchronous (async modes on CUDA). One pinned-memory budget
         # per process (the host's, else the engine's) is shared by every store; `pin_budget` caps this one inside it.
         self.allocator = HostAllocator(self.streams.asynchronous, config.pin_budget, host.pin, host.unpin)
         self.pageable = HostAllocator(False, 0)

@@ -2,12 +2,12 @@
 
 A prefix K/V cache that provably depends only on some inputs (FLUX.2 Klein KV: the reference latents; Qwen-Image
 2.1: prompt embedding, references, slots, target size) can serve a later request with the same inputs and skip
-the extraction pass. `PrefixRegistry` holds such stores between requests:
+the capture. `PrefixRegistry` holds such stores between requests:
 
 - a `PrefixKey` (`prefix.py`) is hashed by a digest computed on its tensors' device; on a digest match the full
   content is compared, so two different prefixes never share an entry, however their digests collide.
 - an entry is one completed store, sealed (read-only) and parked (its device ring freed) while it waits. A hit
-  leases it to one request at a time; a request that finds its entry leased extracts anew.
+  leases it to one request at a time; a request that finds its entry leased captures anew.
 - byte budgets per budget place (`device`, `host` = pinned + pageable RAM, `file`; `reusebudget.py`) bound what
   is kept; least recently used entries are evicted first, and eviction closes the store (memory, files).
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
@@ -79,7 +79,7 @@ class PrefixRegistry:
 
     # -- lookup / admit / release ----------------------------------------------------------------------------
     def lookup(self, key: PrefixKey) -> Optional[Entry]:
-        """The entry for `key`, leased to the caller, or None (a miss: extract, then `admit`)."""
+        """The entry for `key`, leased to the caller, or None (a miss: capture, then `admit`)."""
         with self._lock:
             if self.closed:
                 return None

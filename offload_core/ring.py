@@ -118,7 +118,7 @@ class SlotRing:
         queues the loads of the layers ahead of it."""
         self._order.observe(key)
         self.release_current()
-        # Timed on the consumer's stream: a copy made there (sync tiers) or a wait for a late prefetch is time
+        # Timed on the consumer's stream: a copy made there (sync modes) or a wait for a late prefetch is time
         # the consumer is stalled; copies queued on the side stream are not.
         with self._streams.timed("wait"):
             ahead = self._order.ahead(key, self._depth, skip=self._layers.resident)

@@ -13,7 +13,7 @@ STATS_VERSION = 1
 @dataclass(frozen=True)
 class Snapshot:
     """What a store holds and decided right now, as plain values (`KVStore.stats` makes one per call)."""
-    tier: Optional[str]  # the mode in effect (None: `auto` before the first put)
+    mode: Optional[str]  # the mode in effect (None: `auto` before the first put)
     reason: str
     prefetch_depth: int
     closed: bool
@@ -90,8 +90,8 @@ class StoreStats:
         return {
             "v": STATS_VERSION,
             **self._facts,
-            "mode": now.tier,  # the mode in effect
-            "tier": now.tier,  # deprecated alias of "mode", kept for one release
+            "mode": now.mode,  # the mode in effect
+            "tier": now.mode,  # deprecated alias of "mode", kept for one release
             "reason": now.reason,
             "layers": now.layers,
             "bytes": places,

@@ -121,7 +121,7 @@ class KVStore:
         if auto:
             self.mode = self.plan.mode
         counts = ", ".join(f"{place} {n}" for place, n in self.plan.counts().items() if n)
-        log.info("KV offload%s: tier %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
+        log.info("KV offload%s: mode %s (%s), plan %s, storage %s, prefetch depth %d", self._tag,
                  self.mode.value, self.plan.reason, counts, self.config.storage, self.depth)
 
     @engine_mode
@@ -258,7 +258,7 @@ class KVStore:
         res = self._res
         stored, info = res.stored(self.closed) if res is not None else ({}, {})
         return self._stats.as_dict(Snapshot(
-            tier=self.mode.value if self.mode is not None else None, reason=self.reason, prefetch_depth=self.depth,
+            mode=self.mode.value if self.mode is not None else None, reason=self.reason, prefetch_depth=self.depth,
             closed=self.closed, layers=len(self._layers.layouts), plan=self.placement(), stored=stored, info=info,
             seconds=res.seconds() if res is not None else {"transfer": 0.0, "wait": 0.0},
             pinned_fallback=res.allocator.fallback_reason if res is not None else None, kv_error=self.kv_error(),

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", action="store_true", help="instead of the mode table: a batch of 4 images from one "
                    "prompt against a batch of 1 in gpu, ram_async and file_async, with identical rows kept once and "
                    "not (bytes kept, moved per step, latency; see offload_core/bench/batch.py)")
-    p.add_argument("--pose", action="store_true", help="instead of the mode table: Wan Animate 2's pose-branch cache "
+    p.add_argument("--pose", action="store_true", help="instead of the mode table: Wan Animate 2's pose cache "
                    "(Wan 14B's 40 blocks at 480x832, bf16; width 128, or 5120 with --size full) in gpu, RAM, files "
                    "and RAM under a budget that spills to files (see offload_core/bench/pose.py)")
     p.add_argument("--overhead", action="store_true", help="instead of the mode table: the engine's own time per get "

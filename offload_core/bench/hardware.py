@@ -76,7 +76,7 @@ def free(device: torch.device, directory: str) -> dict:
     """Free bytes where a cache can live: on the compute device, in RAM, on the disk holding `directory`.
 
     `unified`: the device computes from host RAM (a CPU, Apple MPS, an integrated NVIDIA part), so its free
-    figure is the RAM's and a RAM tier frees nothing on it.
+    figure is the RAM's and a RAM mode frees nothing on it.
     """
     ram = int(psutil.virtual_memory().available)
     unified, device_free = True, ram

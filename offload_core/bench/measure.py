@@ -50,7 +50,7 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["kv_bytes"] = {t: sum(s["bytes"][t] for s in stats) for t in PLACES}
         sample["peak_kv_device"] = sum(s["peak_device_bytes"] for s in stats)
         sample["exposed_wait_s"] = sum(s["exposed_wait_s"] for s in stats)
-        sample["tiers"] = sorted({s["tier"] for s in stats})
+        sample["modes"] = sorted({s["mode"] for s in stats})
         sample["page_cache"] = sorted({s["page_cache"] for s in stats if s.get("page_cache")})
         sample["reasons"] = sorted({s["reason"] for s in stats if s.get("reason")})
         sample["pinned_fallback"] = any(s.get("pinned_fallback") for s in stats)
@@ -59,7 +59,7 @@ def one_request(pipe, call: Callable[[], object], device: torch.device, rss: Rss
         sample["kv_bytes"] = {t: (kv if t == DEVICE else 0) for t in PLACES}
         sample["peak_kv_device"] = kv
         sample["exposed_wait_s"] = 0.0
-        sample["tiers"] = ["gpu"] if kv else []
+        sample["modes"] = ["gpu"] if kv else []
     return sample
 
 
@@ -196,7 +196,7 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None)
     device_peaks = [s["peak_device_allocated"] for s in samples if s["peak_device_allocated"] is not None]
     return {
         "key": row.key, "mode": row.mode, "config": dict(row.config),
-        "label": f"{row.label} -> {'+'.join(last['tiers'])}" if row.mode == "auto" else row.label,
+        "label": f"{row.label} -> {'+'.join(last['modes'])}" if row.mode == "auto" else row.label,
         "latency_s": statistics.median(s["latency_s"] for s in samples),
         "latencies_s": [s["latency_s"] for s in samples],
         "peak_device_allocated": max(device_peaks) if device_peaks else None,
@@ -204,7 +204,7 @@ def summarize(row: Row, samples: list[dict], *, rss_exact: bool, reference=None)
         "peak_rss": max(s["peak_rss"] for s in samples), "peak_rss_exact": rss_exact,
         "kv_bytes": last["kv_bytes"],
         "exposed_wait_s": statistics.median(s["exposed_wait_s"] for s in samples),
-        "tiers": last["tiers"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
+        "modes": last["modes"], "page_cache": last.get("page_cache", []), "reasons": last.get("reasons", []),
         "pinned_fallback": last.get("pinned_fallback", False),
         "plan": last.get("plan"), "kv_error": last.get("kv_error"),
         "psnr_db": psnr(last["image"], reference) if row.lossy else None,

@@ -1,4 +1,4 @@
-"""`bench --pose`: Wan Animate 2's pose-branch cache in RAM, in files, and in RAM under a budget that spills.
+"""`bench --pose`: Wan Animate 2's pose cache in RAM, in files, and in RAM under a budget that spills.
 
 The engine alone replays the calls the Settings node's pose cache makes (`nodes/wan.py`, which the engine may
 not import): one `KVStore` per context window, opened with the window's size as `expected_bytes`; while
@@ -175,7 +175,7 @@ def measure_row(label: str, mode: str, share: Optional[float], sizes: PoseSizes,
             "latency_max_s": max(latencies), "compute_s": statistics.median(computes),
             "overhead_s": statistics.median(latencies) - statistics.median(computes),
             "exposed_wait_s": (sum(s["exposed_wait_s"] for s in stats) - waited) / runs,
-            "peak_device_bytes": max(s["peak_device_bytes"] for s in stats), "tier": stats[0]["tier"],
+            "peak_device_bytes": max(s["peak_device_bytes"] for s in stats), "mode_in_effect": stats[0]["mode"],
             "pinned_fallback": any(s["pinned_fallback"] for s in stats), "exact": bool(exact)}
 
 

@@ -49,7 +49,7 @@ def device_memory_column(rows: list[dict]) -> tuple[str, str]:
     """(field, header) of the device-memory column: allocator peak where CUDA measured it, else KV bytes."""
     if rows and all(r["peak_device_allocated"] is not None for r in rows):
         return "peak_device_allocated", "peak device MiB (max_memory_allocated)"
-    return "peak_kv_device", "peak device-resident KV MiB (engine)"
+    return "peak_kv_device", "peak KV MiB on the device (engine)"
 
 
 def memory_axis(rows: list[dict], device: str) -> str:
@@ -96,7 +96,7 @@ def table(rows: list[dict], hardware_line: str, settings: str, verdict: dict | N
     if base:
         notes.append(f"x gpu: latency over the '{base['label']}' row's.")
     if field == "peak_kv_device":
-        notes.append("No CUDA allocator here: the device column is the peak of K/V bytes resident on the compute "
+        notes.append("No CUDA allocator here: the device column is the peak of K/V bytes on the compute "
                      "device (the engine's figure; for the unpatched rows, the pipeline's own cache).")
     fallbacks = sorted({reason for r in rows for reason in r["reasons"] if "→" in reason or "->" in reason})
     if fallbacks:

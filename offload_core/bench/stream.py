@@ -59,7 +59,7 @@ def _pass(store: KVStore, layers: int, device: torch.device, compute=None) -> fl
     return time.perf_counter() - start
 
 
-def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) -> Dict[str, object]:
+def measure_mode(mode: str, args, device: torch.device, directory: str, k, v) -> Dict[str, object]:
     layers, layer_bytes = args.cache_mib // args.layer_mib, args.layer_mib << 20
     fields = {"prefetch_depth": args.prefetch_depth} if mode.endswith("async") else {}
     if mode.startswith("file"):
@@ -70,13 +70,13 @@ def measure_tier(mode: str, args, device: torch.device, directory: str, k, v) ->
         start = time.perf_counter()
         for key in range(layers):
             store.put(key, k, v)
-        store.flush()  # the file tiers: until the last layer is on disk
+        store.flush()  # the file modes: until the last layer is on disk
         _sync(device)
         put_s = time.perf_counter() - start
         read_s = min(_pass(store, layers, device) for _ in range(2))
-        row = {"tier": mode, "put_gib_s": layers * layer_bytes / GiB / put_s, "get_gib_s": layers * layer_bytes / GiB / read_s,
+        row = {"mode": mode, "put_gib_s": layers * layer_bytes / GiB / put_s, "get_gib_s": layers * layer_bytes / GiB / read_s,
                "read_ms_per_layer": 1000 * read_s / layers, "page_cache": store.stats()["page_cache"],
-               "file_io": store.stats()["file_io"]}  # the request size and depth the tier chose, and why
+               "file_io": store.stats()["file_io"]}  # the request size and depth the file tier chose, and why
         if mode.endswith("async"):
             compute = _Compute(device, args.compute_ratio * read_s / layers)
             # Untimed: in a step loop the step before ends with compute too, which the prefetch of the first
@@ -104,18 +104,18 @@ def _raw_pass(directory: str, total: int, sweep) -> Dict[str, float]:
 
 
 def _round(modes: List[str], args, device, directory: str, k, v, total: int, sweep) -> tuple:
-    """One round of tiers, in the order given; every file tier is bracketed by raw passes at the sweep's best
-    depths, one just before it and one just after (shared with the next file tier), so each gets a limit
+    """One round of modes, in the order given; every file mode is bracketed by raw passes at the sweep's best
+    depths, one just before it and one just after (shared with the next file mode), so each gets a limit
     measured seconds around it (`paired_raw_*`: the mean of the two), and a drift of the disk during the round
-    cancels instead of favouring whichever of raw and tier runs later. Returns (rows by tier, raw passes)."""
+    cancels instead of favouring whichever of raw and mode runs later. Returns (rows by mode, raw passes)."""
     rows, passes = {}, []
     for mode in modes:
         if not mode.startswith("file"):
-            rows[mode] = measure_tier(mode, args, device, directory, k, v)
+            rows[mode] = measure_mode(mode, args, device, directory, k, v)
             continue
         if not passes:
             passes.append(_raw_pass(directory, total, sweep))
-        row = measure_tier(mode, args, device, directory, k, v)
+        row = measure_mode(mode, args, device, directory, k, v)
         passes.append(_raw_pass(directory, total, sweep))
         before, after = passes[-2:]
         row.update({f"paired_raw_{kind}_gib_s": (before[kind] + after[kind]) / 2 for kind in ("write", "read")})
@@ -129,21 +129,21 @@ def run(args) -> Dict[str, object]:
     total = (args.cache_mib // args.layer_mib) * layer_bytes
     base = args.dir or tempfile.gettempdir()
     k, v = _layer(layer_bytes, device)
-    modes = args.tiers.split(",")
+    modes = args.modes.split(",")
     tried = rawio.patterns(args.requests, args.depths, ring_bytes=args.ring_mib << 20)
     sweep_bytes = max(min(total, args.sweep_mib << 20) // max(args.requests) * max(args.requests), max(args.requests))
     rounds, directory = [], None
     try:  # from the folder's birth on: an interrupt (Ctrl-C, SIGTERM) anywhere after it still deletes it
         directory = tempfile.mkdtemp(prefix=".kv_offload-stream-", dir=base)
-        for index in range(args.rounds):  # raw and tiers alternate, so a load change on the machine hits both
+        for index in range(args.rounds):  # raw and modes alternate, so a load change on the machine hits both
             limits = {"file": rawio.file_limits(directory, sweep_bytes, tried),
                       "ram_gib_s": rawio.ram_limit(layer_bytes)}
             if HUGE_PAGES:
                 limits["file"]["small_pages"] = rawio.small_pages(directory, sweep_bytes, limits["file"])
             if device.type == "cuda":
                 limits["cuda"] = rawio.cuda_limits(layer_bytes, device)
-            # Every other round in reverse, so no tier always runs right after the same thing (the sweep, or
-            # another tier's deleted files).
+            # Every other round in reverse, so no mode always runs right after the same thing (the sweep, or
+            # another mode's deleted files).
             order = modes if index % 2 == 0 else modes[::-1]
             rows, limits["file"]["passes"] = _round(order, args, device, directory, k, v, total, limits["file"])
             rounds.append((limits, [rows[mode] for mode in modes]))

@@ -1,14 +1,14 @@
-"""`python -m offload_core stream`: how close each tier streams to this machine's limits, and how much it hides.
+"""`python -m offload_core stream`: how close each mode streams to this machine's limits, and how much it hides.
 
 In one run, on one cache (default 1 GiB in 64 MiB layers) and one directory:
 
 1. raw limits: the best `O_DIRECT` write and read throughput in that directory over the patterns a careful
    reader would try (request size, requests in flight, `fallocate` or not, a pre-touched destination ring of at
    least 4 requests), a RAM memcpy, and pinned host<->device copies on CUDA (see `rawio`); the best pattern is
-   measured again around every file tier, over the whole cache, and the tiers' ratios are taken against it;
-2. per tier: the extraction writes (every `put`, until the last layer is stored — on disk for the file tiers)
+   measured again around every file mode, over the whole cache, and the modes' ratios are taken against it;
+2. per mode: the capture's writes (every `put`, until the last layer is stored — on disk for the file modes)
    and the get loop (every layer in order, nothing else), each against its raw limit;
-3. per async tier: the same loop with a synthetic compute of `--compute-ratio` x the tier's own per-layer read
+3. per async mode: the same loop with a synthetic compute of `--compute-ratio` x the mode's own per-layer read
    time after each `get` — `torch.cuda._sleep` on the consumer stream on CUDA (the device is busy, the host is
    free, as with a real kernel), `time.sleep` on a CPU — and the exposed wait (loop time minus compute time)
    as a share of the transfer time: what prefetching failed to hide.
@@ -27,7 +27,7 @@ from typing import List
 
 from .. import cliargs
 
-TIERS = ["ram_sync", "ram_async", "file_sync", "file_async"]
+MODES = ["ram_sync", "ram_async", "file_sync", "file_async"]
 MAX_RING_MIB = 256  # the raw patterns' largest ring (rawio.RING_CAP; a test keeps them equal)
 MAX_PREFETCH_DEPTH = 8  # the engine's limit (offload_core.config.MAX_PREFETCH_DEPTH; a test keeps them equal)
 
@@ -38,7 +38,7 @@ def build_parser() -> cliargs.Parser:
     p.add_argument("--device", help="consuming device (default: cuda if available, else cpu)")
     p.add_argument("--cache-mib", type=int, default=1024, help="size of the whole cache in MiB (default 1024)")
     p.add_argument("--layer-mib", type=int, default=64, help="size of one layer (K and V) in MiB (default 64)")
-    p.add_argument("--dir", help="directory for the file tiers and the raw file test (default: the temp dir)")
+    p.add_argument("--dir", help="directory for the file modes and the raw file test (default: the temp dir)")
     p.add_argument("--depths", default="1,2,4,8,16",
                    help="requests in flight the raw file sweep tries (default 1,2,4,8,16)")
     p.add_argument("--requests", default="4,8,16,32", help="request sizes in MiB the raw sweep tries (default 4,8,16,32)")
@@ -46,13 +46,14 @@ def build_parser() -> cliargs.Parser:
                    help="size of the raw patterns' destination ring, MiB (default: max(4, in flight) requests)")
     p.add_argument("--sweep-mib", type=int, default=256,
                    help="file size of each raw sweep pattern, MiB (default 256; at most the cache's size)")
-    p.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated tiers (default {','.join(TIERS)})")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default {','.join(MODES)})")
+    cliargs.deprecated_alias(p, "--tiers", "--modes")
     p.add_argument("--prefetch-depth", type=int, default=2,
-                   help=f"prefetch depth of the async tiers, 1 to {MAX_PREFETCH_DEPTH} (default 2)")
+                   help=f"prefetch depth of the async modes, 1 to {MAX_PREFETCH_DEPTH} (default 2)")
     p.add_argument("--compute-ratio", type=float, default=1.5,
-                   help="synthetic compute per layer, as a multiple of the tier's per-layer read time (default 1.5)")
+                   help="synthetic compute per layer, as a multiple of the mode's per-layer read time (default 1.5)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds of raw limits and tiers, interleaved; each figure is the median round (default 3)")
+                   help="rounds of raw limits and modes, interleaved; each figure is the median round (default 3)")
     p.add_argument("--json", metavar="FILE", help="also write every figure to this JSON file")
     return p
 
@@ -69,14 +70,14 @@ def check(args, parser) -> None:
     if not 1 <= args.prefetch_depth <= MAX_PREFETCH_DEPTH:
         parser.error(f"--prefetch-depth must be between 1 and {MAX_PREFETCH_DEPTH}; got {args.prefetch_depth}. "
                      "1 hides a transfer behind one layer of compute; deeper holds more of the cache on the device.")
-    unknown = set(args.tiers.split(",")) - set(TIERS)
+    unknown = set(args.modes.split(",")) - set(MODES)
     if unknown:
-        parser.error(f"--tiers: unknown {sorted(unknown)}; pick from {', '.join(TIERS)}.")
+        parser.error(f"--modes: unknown {sorted(unknown)}; pick from {', '.join(MODES)}.")
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir!r} is not an existing directory; create it first.")
     cliargs.output_folder(parser, "--dir", args.dir or tempfile.gettempdir())
     cache, sweep = args.cache_mib << 20, args.sweep_mib << 20
-    # The RAM tiers hold the cache and its source layers at once; the file tiers and the raw sweep write theirs.
+    # The RAM modes hold the cache and its source layers at once; the file modes and the raw sweep write theirs.
     cliargs.room(parser, f"--cache-mib {args.cache_mib}", cache, ram=2 * cache, disk_in=args.dir or tempfile.gettempdir(),
                  disk=cache + sweep)
     args.depths = _integers(parser, "--depths", args.depths, 1, 64, "1,2,4,8")

@@ -22,11 +22,11 @@ def _median_round(runs: List[dict], key: str) -> dict:
 
 
 def combine(rounds, device: torch.device):
-    """Every figure as its median over the interleaved rounds, raw limits and tiers alike.
+    """Every figure as its median over the interleaved rounds, raw limits and modes alike.
 
-    Each row also gets its ratios: a file tier's against the raw file limit, a RAM tier's against the memcpy
+    Each row also gets its ratios: a file mode's against the raw file limit, a RAM mode's against the memcpy
     (CPU) or pinned H2D (CUDA) figure. The raw file limit (`limit_*_gib_s`) is the best pattern measured
-    again: the median of the raw passes that bracket the file tiers, each in the pattern its round's sweep
+    again: the median of the raw passes that bracket the file modes, each in the pattern its round's sweep
     found best. Not the sweep's best median itself: picking the largest of several near-equal noisy medians and
     reading off that same sample overstates the disk (the winner's curse) by about its spread; a pattern that is
     really better still wins the sweep, and its fresh passes still show it. Medians, since a best-of figure
@@ -76,10 +76,10 @@ def combine(rounds, device: torch.device):
         row["rounds"] = runs
         rows.append(row)
     for row in rows:
-        if row["tier"].startswith("file"):
+        if row["mode"].startswith("file"):
             row["put_vs_raw"] = row["put_gib_s"] / limits["file"]["limit_write_gib_s"]
             row["get_vs_raw"] = row["get_gib_s"] / limits["file"]["limit_read_gib_s"]
-            # The most conservative reading: the tier's best round against the best raw sample anywhere.
+            # The most conservative reading: the mode's best round against the best raw sample anywhere.
             row["best_put_vs_max_raw"] = row["best_put_gib_s"] / limits["file"]["max_write_gib_s"]
             row["best_get_vs_max_raw"] = row["best_get_gib_s"] / limits["file"]["max_read_gib_s"]
         else:
@@ -102,7 +102,7 @@ def _ring(result: Dict[str, object]) -> str:
 
 
 def _pattern(io) -> str:
-    """A file tier's request size x requests in flight and how they were chosen (`stats()["file_io"]`)."""
+    """A file mode's request size x requests in flight and how they were chosen (`stats()["file_io"]`)."""
     return "-" if not io else f"{io['pattern']} ({io['chosen']})"
 
 
@@ -144,35 +144,35 @@ def table(result: Dict[str, object]) -> str:
            f"{f['small_pages']['read']:.0%} of the same pattern in huge pages (median of the rounds)"]
           if "small_pages" in f else []),
         f"best raw pattern: write {f['best_write_gib_s']:.2f} ({f['best_write_pattern']}), read "
-        f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); each file tier's own pattern is in the table "
+        f"{f['best_read_gib_s']:.2f} ({f['best_read_pattern']}); each file mode's own pattern is in the table "
         "(request size x requests in flight, and how it was chosen)",
         f"raw file limit: write {f['limit_write_gib_s']:.2f}{_span(f['limit_write_range'])}, read "
         f"{f['limit_read_gib_s']:.2f}{_span(f['limit_read_range'])} GiB/s (the best pattern measured again over the "
-        f"whole cache: median of the {f['limit_passes']} raw passes around the file tiers; lowest-highest in brackets)",
+        f"whole cache: median of the {f['limit_passes']} raw passes around the file modes; lowest-highest in brackets)",
         f"raw RAM memcpy {result['limits']['ram_gib_s']:.2f} GiB/s" + (
             "; pinned H2D {h2d_gib_s:.2f} / D2H {d2h_gib_s:.2f} GiB/s".format(**result["limits"]["cuda"])
             if "cuda" in result["limits"] else ""),
-        "async tiers: prefetch depth "
+        "async modes: prefetch depth "
         f"{result['prefetch_depth']}, compute {result['compute_ratio']}x the per-layer read time; every figure "
         f"is the median of {result['rounds']} interleaved rounds",
         "",
-        "| tier       | pattern            | put GiB/s | put / raw write | get GiB/s | get / raw read | read ms/layer "
+        "| mode       | pattern            | put GiB/s | put / raw write | get GiB/s | get / raw read | read ms/layer "
         "| compute ms/layer | exposed ms | hidden | exact |",
         "|------------|--------------------|-----------|-----------------|-----------|----------------|---------------"
         "|------------------|------------|--------|-------|",
     ]
     for r in result["rows"]:
         lines.append(
-            f"| {r['tier']:<10} | {_pattern(r.get('file_io')):<18} | {r['put_gib_s']:9.2f} | {_fmt(r.get('put_vs_raw'), '15.0%')} | {r['get_gib_s']:9.2f} "
+            f"| {r['mode']:<10} | {_pattern(r.get('file_io')):<18} | {r['put_gib_s']:9.2f} | {_fmt(r.get('put_vs_raw'), '15.0%')} | {r['get_gib_s']:9.2f} "
             f"| {_fmt(r.get('get_vs_raw'), '14.0%')} | {r['read_ms_per_layer']:13.1f} "
             f"| {_fmt(r.get('compute_ms_per_layer'), '16.1f')} | "
             f"{_fmt(None if 'exposed_s' not in r else 1000 * r['exposed_s'], '10.1f')} "
             f"| {_fmt(r.get('hidden'), '6.0%')} | {str(r['exact']):<5} |")
     strict = [r for r in result["rows"] if "best_put_vs_max_raw" in r]
     if strict:
-        lines += ["", "paired (each tier against the mean of the raw passes just before and after it, in every round; "
+        lines += ["", "paired (each mode against the mean of the raw passes just before and after it, in every round; "
                       "median of the per-round ratios, lowest-highest round in brackets): " + "; ".join(
-                          f"{r['tier']} put {r['put_vs_paired']:.0%}{_span(r['put_vs_paired_range'], '.0%')}, "
+                          f"{r['mode']} put {r['put_vs_paired']:.0%}{_span(r['put_vs_paired_range'], '.0%')}, "
                           f"get {r['get_vs_paired']:.0%}{_span(r['get_vs_paired_range'], '.0%')}" for r in strict)]
         moved = [kind for kind in ("write", "read") if f[f"limit_{kind}_range"]
                  and f[f"limit_{kind}_range"][1] > NOISY * f[f"limit_{kind}_range"][0]]
@@ -182,5 +182,5 @@ def table(result: Dict[str, object]) -> str:
                           "than that is not settled by one run of this length; more --rounds narrow the medians."]
         lines += ["", f"best round against the best raw sample of any pattern and round (raw write {f['max_write_gib_s']:.2f}, "
                       f"read {f['max_read_gib_s']:.2f} GiB/s): " + "; ".join(
-                          f"{r['tier']} put {r['best_put_vs_max_raw']:.0%}, get {r['best_get_vs_max_raw']:.0%}" for r in strict)]
+                          f"{r['mode']} put {r['best_put_vs_max_raw']:.0%}, get {r['best_get_vs_max_raw']:.0%}" for r in strict)]
     return "\n".join(lines)

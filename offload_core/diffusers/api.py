@@ -45,15 +45,15 @@ def _kind_of(pipe) -> str:
 
 def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | None = None,
                       reuse: bool | str = True, reuse_budget=None, **config_fields) -> OffloadSession:
-    """Keep the pipeline's prefix K/V cache in `mode`'s tier and bring each layer back when it is needed.
+    """Keep the pipeline's prefix K/V cache where `mode` puts it and bring each layer back when it is needed.
 
     Args:
         pipe: a `QwenImage21Pipeline`, a modular Qwen-Image 2.1 pipeline or a `Flux2KleinKVPipeline`.
         mode: any `Mode` value; `"gpu"` keeps today's placement but frees the cache before the VAE decodes.
             `"off"` recomputes the prefix every step (Qwen-Image 2.1 only).
         host: optional host services (pin budget, side stream, free-memory queries, temp dir).
-        reuse: keep each completed prefix cache after the request (in the tier it was made in, device slots
-            freed) and serve a later request with the same prefix inputs from it, skipping the extraction pass:
+        reuse: keep each completed prefix cache after the request (in the places it was made in, device slots
+            freed) and serve a later request with the same prefix inputs from it, skipping the capture:
             FLUX.2 Klein KV when the references are the same (prompt and seed may change), Qwen-Image 2.1 when
             prompt, references and output size are the same (seed and step count may change). The key also
             covers the transformer's weights (LoRA load / fuse / unload, edits), dtype and device, and the code

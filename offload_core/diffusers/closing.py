@@ -28,7 +28,7 @@ def give_back(reuse: PrefixRegistry | None, leases: list, ok: bool, errors: list
 
 def close_or_keep(reuse: PrefixRegistry | None, stores: list[KVStore], keys: dict[int, PrefixKey | None],
                   fallbacks: dict[int, str], refused: str | None, errors: list) -> list[dict]:
-    """Each store the request made, offered to the registry under `keys[id(store)]` (a completed extraction) or
+    """Each store the request made, offered to the registry under `keys[id(store)]` (a completed capture) or
     closed; a Ctrl-C or an error on the way does not stop the others. Returns their stats."""
     stats = []
     for store in stores:
@@ -66,9 +66,9 @@ def log_summary(stats: list[dict]) -> None:
         return
     total = sum(sum(s["bytes"].values()) for s in stats)
     wait = sum(s["exposed_wait_s"] for s in stats)
-    tiers = ", ".join(f"{s['name']}={s['tier']}" for s in stats)
+    modes = ", ".join(f"{s['name']}={s['mode']}" for s in stats)
     logger.info("KV offload: %d cache(s) closed (%s), %.1f MiB, exposed wait %.3f s",
-                len(stats), tiers, total / MiB, wait)
+                len(stats), modes, total / MiB, wait)
 
 
 def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
@@ -76,7 +76,8 @@ def _stats_of(store: KVStore, reuse: str, errors: list) -> dict:
         return {**store.stats(), "reuse": reuse}
     except BaseException as exc:  # an interrupt too: raised by end_request once every store is closed
         errors.append(exc)
-        return {"name": store.name, "reuse": reuse, "bytes": {}, "exposed_wait_s": 0.0, "tier": None}
+        return {"name": store.name, "reuse": reuse, "bytes": {}, "exposed_wait_s": 0.0, "mode": None,
+                "tier": None}  # "tier": the deprecated alias of "mode" that `stats()` keeps for one release
 
 
 def _close_quietly(store: KVStore) -> None:

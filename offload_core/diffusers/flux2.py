@@ -99,7 +99,7 @@ def _keep_upstream(session: OffloadSession, store: KVStore, upstream, error: Exc
     """Falls back to `gpu`: the layers already moved come back into the pipeline's own cache on the device.
 
     Not recompute: after step 0 this pipeline no longer passes the reference tokens, so they cannot be
-    recomputed; upstream's device-resident cache is what the pipeline does without us.
+    recomputed; upstream's on-device cache is what the pipeline does without us.
     """
     for kind, layers in (("double", upstream.double_block_caches), ("single", upstream.single_block_caches)):
         for index, layer in enumerate(layers):

@@ -97,7 +97,7 @@ def install(session: OffloadSession, transformer) -> None:
         if mode == "extract":
             key = _reuse_key(session, module, kwargs)
             kept = session.lookup(key)
-            if kept is not None:  # a hit: no extraction pass, this step already reads the kept prefix
+            if kept is not None:  # a hit: no capture, this step already reads the kept prefix
                 ours = OffloadedQwenKVCache(kept, len(module.transformer_blocks))
                 ours.extracting = False
                 session.bind(upstream, ours)

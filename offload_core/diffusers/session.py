@@ -7,7 +7,7 @@ A session belongs to one pipeline. Each call of the pipeline is one request; eve
 - when the call returns or raises (output_type="latent", exceptions inside the denoising loop),
 
 so no store — device buffers, pinned host memory, files — outlives the denoising loop, in any mode; with prefix
-reuse on, a store whose extraction completed is instead sealed, its device ring freed, and handed to the
+reuse on, a store whose capture completed is instead sealed, its device ring freed, and handed to the
 session's `PrefixRegistry`, which keeps it (within its budgets) for a later request with the same prefix inputs.
 A store served from the registry (a hit) goes back to it at the same points.
 
@@ -41,7 +41,7 @@ class OffloadSession:
     Attributes:
         config: the validated `OffloadConfig` every store of this pipeline is built with.
         last_stats: `stats()` of every store of the last finished request, captured just before closing, each
-            with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (extracted, then offered to the
+            with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (captured, then offered to the
             registry) or "off".
         reuse: the `PrefixRegistry` of this pipeline, or None when reuse is off.
         cost: whether reuse pays, per model and prefix size (`reusecost.py`); `times`: this request's calls.
@@ -55,8 +55,8 @@ class OffloadSession:
         self.reuse = reuse
         self.last_stats: list[dict] = []
         self._live: list[KVStore] = []
-        self._keys: dict[int, PrefixKey] = {}  # id(store) -> the key its extraction is kept under
-        self._complete: set[int] = set()  # id(store) of stores whose extraction pass finished
+        self._keys: dict[int, PrefixKey] = {}  # id(store) -> the key its capture is kept under
+        self._complete: set[int] = set()  # id(store) of stores whose capture finished
         self._leases: list = []  # registry entries this request reads
         self._bindings: dict[int, tuple[object, object]] = {}  # id(upstream cache) -> (upstream, ours)
         self._hooks: list = []
@@ -127,7 +127,7 @@ class OffloadSession:
             logger.warning("KV offload: prefix reuse is off for this request: %s", why)
 
     def lookup(self, key: PrefixKey | None) -> KVStore | None:
-        """A kept store for `key`, leased to this request until `end_request()`; None: extract."""
+        """A kept store for `key`, leased to this request until `end_request()`; None: capture."""
         if key is None or self.reuse is None:
             return None
         entry = self.reuse.lookup(key)
@@ -148,7 +148,7 @@ class OffloadSession:
         self.reuse.evict_where(stale, "the transformer's weights changed", leased=False)
 
     def mark_complete(self, store: KVStore) -> None:
-        """The extraction pass that fills `store` finished: it may be kept for reuse."""
+        """The capture that fills `store` finished: it may be kept for reuse."""
         self._complete.add(id(store))
 
     def bind(self, upstream, ours) -> None:

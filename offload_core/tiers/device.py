@@ -1,4 +1,5 @@
-"""`gpu` tier: the cache stays on the consuming device, as upstream caches keep it. The baseline."""
+"""The device tier (place `device`): layers stay on the consuming device, as upstream caches keep them (mode `gpu`,
+and the resident layers of every mode)."""
 
 from __future__ import annotations
 

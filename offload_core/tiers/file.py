@@ -1,4 +1,4 @@
-"""`file_sync` / `file_async` tiers: one safetensors-compatible file per layer in a private directory.
+"""The file tier (place `file`): one safetensors-compatible file per layer in a private directory.
 
 The tier owns the directory (locked while it lives, deleted at close), the thread pools and the layer
 entries; `filewrite.Writer` and `fileread.Reader` move the bytes, in the request size and with as many I/O threads
@@ -112,7 +112,7 @@ class FileTier(Tier):
 
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:
         entry = self._files[key]
-        self._writer.trim_if_idle()  # extraction is over: its staging would only hold host RAM from now on
+        self._writer.trim_if_idle()  # the capture is over: its staging would only hold host RAM from now on
         return self._reader.load(entry, slot, release)
 
     def flush(self) -> None:

@@ -106,7 +106,7 @@ class Writer:
         self._count_lock = threading.Lock()
 
     def trim_if_idle(self, wait: bool = False) -> None:
-        """Frees the write staging once no write is in flight (extraction is over: it would only hold RAM).
+        """Frees the write staging once no write is in flight (the capture is over: it would only hold RAM).
 
         On the write lane, behind the last finish, unless `wait`: unmapping a few dozen MiB of touched pages
         takes milliseconds that the first read after the puts should not wait for. A put meanwhile only waits

@@ -1,4 +1,4 @@
-"""`ram_sync` / `ram_async` tiers: the cache lives in host RAM, one page-aligned buffer per layer.
+"""The RAM tier (places `host_pinned` and `host_pageable`, one instance each): one page-aligned buffer per layer.
 
 Synchronous (`ram_sync`, and every copy when the device is not CUDA): blocking copies on the current stream.
 Asynchronous (`ram_async` on CUDA): buffers are pinned within the budget; device->host and host->device copies

@@ -13,7 +13,7 @@ from offload_core.bench.probes import RssPeak  # noqa: E402
 from offload_core.bench.rows import ALL_ROWS, select_rows  # noqa: E402
 
 COLUMNS = {"latency_s", "ratio_to_gpu", "peak_device_allocated", "peak_kv_device", "peak_rss", "kv_bytes",
-           "exposed_wait_s", "tiers", "label", "key"}
+           "exposed_wait_s", "modes", "label", "key"}
 
 
 def test_the_default_rows_are_the_verdicts_and_all_is_the_fifteen_of_the_table():
@@ -53,7 +53,7 @@ def test_short_run_prints_the_table_and_writes_every_row_and_column(tmp_path, ca
     printed = capsys.readouterr().out
     for label in ("no cache", "gpu, upstream lifetime", "gpu, pre-VAE cleanup", "ram_async", "file_sync, cold"):
         assert label in printed
-    assert "Hardware:" in printed and "peak device-resident KV MiB (engine)" in printed
+    assert "Hardware:" in printed and "peak KV MiB on the device (engine)" in printed
     assert " range s |" in printed and printed.count("Recommendation: Use mode ") == 1
 
     data = json.loads(out_json.read_text())
@@ -76,7 +76,7 @@ def test_short_run_prints_the_table_and_writes_every_row_and_column(tmp_path, ca
     # (the cold file tier aligns each tensor to a 4 KiB block for O_DIRECT: at most one block of padding per tensor)
     layers = 2 * 6
     assert kv <= rows["file_sync_cold"]["kv_bytes"]["file"] <= kv + layers * 4096
-    # Offloaded tiers keep less of it on the device than the whole cache.
+    # Offloaded modes keep less of it on the device than the whole cache.
     assert rows["ram_sync"]["peak_kv_device"] < rows["gpu"]["peak_kv_device"] == kv
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -12,7 +12,7 @@ from offload_core.bench import cli, pose, posecli
 
 GiB = 1 << 30
 ROW_FIELDS = {"row", "mode", "host_budget", "windows", "bytes", "spill_bytes", "fill_s", "latency_s", "latency_min_s",
-              "latency_max_s", "exposed_wait_s", "peak_device_bytes", "tier", "pinned_fallback", "exact",
+              "latency_max_s", "exposed_wait_s", "peak_device_bytes", "mode_in_effect", "pinned_fallback", "exact",
               "overhead_s", "compute_s", "ratio"}
 
 
@@ -26,7 +26,7 @@ def test_the_sizes_are_wan_14b_at_480x832():
 
 @pytest.fixture
 def files_here(tmp_path, monkeypatch):
-    """The file tiers' private folders go under `tmp_path`, so the test sees what is left there."""
+    """The file modes' private folders go under `tmp_path`, so the test sees what is left there."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return tmp_path
 

@@ -174,7 +174,7 @@ def test_demo_passes_and_says_so(capsys):
 
     assert democli.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" yes    yes ") == 5 and "every tier returned every layer bit-identical" in out
+    assert out.count(" yes    yes ") == 5 and "every mode returned every layer bit-identical" in out
 
 
 def test_demo_fails_when_a_round_trip_is_not_exact(monkeypatch, capsys):

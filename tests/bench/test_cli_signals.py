@@ -34,14 +34,14 @@ def start(args, tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=lambda s: s.name)
 def test_stream_killed_mid_run_leaves_no_folder(signum, tmp_path):
-    proc = start(["stream", "--cache-mib", "256", "--layer-mib", "16", "--sweep-mib", "64", "--tiers",
+    proc = start(["stream", "--cache-mib", "256", "--layer-mib", "16", "--sweep-mib", "64", "--modes",
                   "file_sync,file_async", "--rounds", "20", "--requests", "4", "--depths", "1,2", "--dir",
                   str(tmp_path)], tmp_path)
     try:
         wait_for(lambda: any(n.startswith(".kv_offload-stream-") for n in os.listdir(tmp_path))
                  or proc.poll() is not None, "the stream folder")
         assert proc.poll() is None, proc.stderr.read()
-        wait_for(lambda: len(leftovers(tmp_path)) > 1, "a file in it")  # mid-run: its raw file or a tier's files
+        wait_for(lambda: len(leftovers(tmp_path)) > 1, "a file in it")  # mid-run: its raw file or a file mode's files
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=120)
     finally:

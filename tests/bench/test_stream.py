@@ -10,7 +10,7 @@ from offload_core.__main__ import main as offload_main
 from offload_core.bench import stream, streamcli, streamreport
 
 
-def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
+def test_stream_reports_every_mode_against_the_raw_limits(tmp_path, capsys):
     out = tmp_path / "stream.json"
     code = offload_main(["stream", "--cache-mib", "16", "--layer-mib", "4", "--depths", "1,2", "--requests", "2,4",
                          "--dir", str(tmp_path), "--json", str(out)])  # as `python -m offload_core stream ...`
@@ -21,23 +21,23 @@ def test_stream_reports_every_tier_against_the_raw_limits(tmp_path, capsys):
     tried = {f"{r}MiBx{n}{tail}" for r in (2, 4) for n in (1, 2) for tail in ("", "-nofalloc")}
     assert set(limits["read_gib_s"]) == set(limits["write_gib_s"]) == tried and limits["best_read_gib_s"] > 0
     assert limits["best_read_pattern"] in tried and result["sweep_bytes"] == 16 << 20
-    rows = {r["tier"]: r for r in result["rows"]}
+    rows = {r["mode"]: r for r in result["rows"]}
     assert set(rows) == {"ram_sync", "ram_async", "file_sync", "file_async"}
     assert all(r["exact"] for r in rows.values())
-    for tier in ("file_sync", "file_async"):
-        assert rows[tier]["get_vs_raw"] == pytest.approx(rows[tier]["get_gib_s"] / limits["limit_read_gib_s"])
-        assert rows[tier]["put_vs_raw"] == pytest.approx(rows[tier]["put_gib_s"] / limits["limit_write_gib_s"])
-        assert rows[tier]["get_vs_paired"] > 0 and rows[tier]["put_vs_paired"] > 0
-        assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[tier]["rounds"])
+    for mode in ("file_sync", "file_async"):
+        assert rows[mode]["get_vs_raw"] == pytest.approx(rows[mode]["get_gib_s"] / limits["limit_read_gib_s"])
+        assert rows[mode]["put_vs_raw"] == pytest.approx(rows[mode]["put_gib_s"] / limits["limit_write_gib_s"])
+        assert rows[mode]["get_vs_paired"] > 0 and rows[mode]["put_vs_paired"] > 0
+        assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[mode]["rounds"])
     assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
-    assert limits["limit_passes"] == 3 * result["rounds"]  # raw passes around the two file tiers in every round
+    assert limits["limit_passes"] == 3 * result["rounds"]  # raw passes around the two file modes in every round
     assert "get / raw read" in printed and "raw file limit" in printed and "file_async" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--layer-mib", "0"], "--layer-mib must be >= 1"),
-    (["--tiers", "ram_sync,disk"], "unknown"),
+    (["--modes", "ram_sync,disk"], "unknown"),
     (["--depths", "1,x"], "comma-separated integers"),
     (["--depths", "0,2"], "--depths must all be between 1 and 64"),
     (["--requests", "2048"], "--requests must all be between 1 and 256"),
@@ -48,6 +48,14 @@ def test_bad_options_are_refused_with_the_rule(argv, match, capsys):
     with pytest.raises(SystemExit):
         streamcli.main(argv)
     assert match in capsys.readouterr().err
+
+
+def test_the_old_tiers_option_still_picks_the_modes_and_says_it_is_deprecated(capsys):
+    parser = streamcli.build_parser()
+    args = parser.parse_args(["--tiers", "ram_sync,file_sync"])
+    assert args.modes == "ram_sync,file_sync"
+    assert "--tiers is deprecated" in capsys.readouterr().err and "--modes" in parser.format_help()
+    assert parser.parse_args([]).modes == ",".join(streamcli.MODES)
 
 
 def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, monkeypatch):
@@ -63,7 +71,7 @@ def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, 
     monkeypatch.setattr(file_tier, "pwrite_all", slow)
     args = streamcli.build_parser().parse_args(["--cache-mib", "16", "--layer-mib", "4", "--compute-ratio", "0"])
     k, v = stream._layer(4 << 20, torch.device("cpu"))
-    row = stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
+    row = stream.measure_mode("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
     # 4 layers, each one data chunk and then its header, the headers one after another on the write lane:
     # >= 50 ms + 4 x 50 ms once the figure waits for the disk; the put loop alone returns after about 150 ms
     # (the third put waits for a write staging buffer, freed when the first layer is written).
@@ -75,15 +83,15 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
         return {"file": {"write_gib_s": {1: w, 4: w + 0.5}, "read_gib_s": {1: r, 4: r - 0.5},
                          "passes": [{"write": pw, "read": pr} for pw, pr in passes]}, "ram_gib_s": w}
 
-    def tier(put, get):
-        return [{"tier": "file_async", "put_gib_s": put, "get_gib_s": get, "read_ms_per_layer": 1.0, "hidden": get / 10,
+    def mode_row(put, get):
+        return [{"mode": "file_async", "put_gib_s": put, "get_gib_s": get, "read_ms_per_layer": 1.0, "hidden": get / 10,
                  "compute_ms_per_layer": 1.0, "loop_s": 1.0, "exposed_s": 0.1, "store_exposed_wait_s": 0.1,
                  "exact": True}]
 
     # A disk that was fast in one round only: the medians ignore the outlier, the best-of figures keep it.
-    rounds = [(raw(1.0, 2.0, [(1.0, 2.0), (1.1, 2.1)]), tier(0.9, 1.8)),
-              (raw(9.0, 9.0, [(2.2, 1.9), (0.8, 3.0)]), tier(1.1, 1.9)),
-              (raw(1.2, 2.2, [(0.9, 4.0), (1.0, 1.5)]), tier(1.0, 2.0))]
+    rounds = [(raw(1.0, 2.0, [(1.0, 2.0), (1.1, 2.1)]), mode_row(0.9, 1.8)),
+              (raw(9.0, 9.0, [(2.2, 1.9), (0.8, 3.0)]), mode_row(1.1, 1.9)),
+              (raw(1.2, 2.2, [(0.9, 4.0), (1.0, 1.5)]), mode_row(1.0, 2.0))]
     for (_, (row,)), (w, r) in zip(rounds, [(1.0, 2.0), (2.2, 1.9), (1.0, 4.0)]):
         row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
     limits, rows = streamreport.combine(rounds, torch.device("cpu"))
@@ -91,7 +99,7 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_pattern"] == 4 and f["best_write_gib_s"] == 1.7
     assert f["read_gib_s"] == {1: 2.2, 4: pytest.approx(1.7)} and f["best_read_gib_s"] == 2.2
     assert f["max_write_gib_s"] == 9.5 and f["max_read_gib_s"] == 9.0 and len(limits["rounds"]) == 3
-    # The limit the ratios use: the best depth measured again, in the passes around the tiers (not the sweep's
+    # The limit the ratios use: the best depth measured again, in the passes around the modes (not the sweep's
     # best median, which is read off the same samples that picked it), with how far those passes spread.
     assert (f["limit_write_gib_s"], f["limit_read_gib_s"], f["limit_passes"]) == (1.0, 2.05, 6)
     assert f["limit_write_range"] == [0.8, 2.2] and f["limit_read_range"] == [1.5, 4.0]
@@ -102,8 +110,8 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     assert row["put_vs_paired_range"] == pytest.approx([0.5, 1.0]) and row["get_vs_paired_range"] == [0.5, 1.0]
 
 
-def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_backwards(monkeypatch):
-    """A disk that speeds up during a round: each tier's paired limit is the mean of the passes around it."""
+def test_each_file_mode_is_bracketed_by_raw_passes_and_every_other_round_runs_backwards(monkeypatch):
+    """A disk that speeds up during a round: each mode's paired limit is the mean of the passes around it."""
     calls, speed = [], iter(range(1, 100))
 
     def raw_pass(directory, total, sweep):
@@ -111,14 +119,14 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
         x = float(next(speed))
         return {"write": x, "read": 2 * x}
 
-    def tier(mode, *args):
+    def measured(mode, *args):
         calls.append(mode)
-        return {"tier": mode}
+        return {"mode": mode}
 
     monkeypatch.setattr(stream, "_raw_pass", raw_pass)
-    monkeypatch.setattr(stream, "measure_tier", tier)
+    monkeypatch.setattr(stream, "measure_mode", measured)
     rows, passes = stream._round(["ram_sync", "file_sync", "file_async"], None, None, "", None, None, 0, {})
-    assert calls == ["ram_sync", "raw", "file_sync", "raw", "file_async", "raw"]  # one pass shared between tiers
+    assert calls == ["ram_sync", "raw", "file_sync", "raw", "file_async", "raw"]  # one pass shared between modes
     assert passes == [{"write": 1.0, "read": 2.0}, {"write": 2.0, "read": 4.0}, {"write": 3.0, "read": 6.0}]
     assert rows["file_sync"]["paired_raw_write_gib_s"] == 1.5 and rows["file_async"]["paired_raw_read_gib_s"] == 5.0
     assert "paired_raw_write_gib_s" not in rows["ram_sync"]
@@ -130,7 +138,7 @@ def test_each_file_tier_is_bracketed_by_raw_passes_and_every_other_round_runs_ba
     monkeypatch.setattr(streamreport, "combine", lambda rounds, device: ({"file": {}}, []))
     parser = streamcli.build_parser()
     args = parser.parse_args(["--cache-mib", "4", "--layer-mib", "4", "--rounds", "2", "--requests", "4",
-                              "--tiers", "file_sync,file_async", "--device", "cpu"])
+                              "--modes", "file_sync,file_async", "--device", "cpu"])
     streamcli.check(args, parser)
     stream.run(args)
     assert calls == ["raw", "file_sync", "raw", "file_async", "raw", "raw", "file_async", "raw", "file_sync", "raw"]
@@ -141,7 +149,7 @@ def _result(write_range, read_range):
             "best_write_gib_s": 1.0, "best_read_gib_s": 1.0, "best_write_pattern": "8MiBx4", "best_read_pattern": "8MiBx4",
             "limit_write_gib_s": 1.0, "limit_read_gib_s": 1.0, "limit_write_range": write_range,
             "limit_read_range": read_range, "limit_passes": 3, "max_write_gib_s": 1.0, "max_read_gib_s": 1.0}
-    row = {"tier": "file_sync", "put_gib_s": 0.9, "get_gib_s": 0.95, "put_vs_raw": 0.9, "get_vs_raw": 0.95,
+    row = {"mode": "file_sync", "put_gib_s": 0.9, "get_gib_s": 0.95, "put_vs_raw": 0.9, "get_vs_raw": 0.95,
            "read_ms_per_layer": 1.0, "exact": True, "put_vs_paired": 0.91, "get_vs_paired": 0.96,
            "put_vs_paired_range": [0.85, 0.97], "get_vs_paired_range": [0.9, 1.0],
            "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95,
@@ -154,7 +162,7 @@ def _result(write_range, read_range):
 def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
     steady = streamreport.table(_result([0.95, 1.05], [0.9, 1.05]))
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
-    assert "| file_sync  | 4MiBx8 (probe)     |" in steady  # the pattern the tier chose, and how
+    assert "| file_sync  | 4MiBx8 (probe)     |" in steady  # the pattern the file tier chose, and how
     noisy = streamreport.table(_result([0.9, 1.05], [0.7, 1.2]))
     assert "note: the disk's raw read throughput moved by more than 20%" in noisy
 
@@ -173,7 +181,7 @@ def test_the_hiding_loop_is_measured_in_its_steady_state(tmp_path, monkeypatch):
     monkeypatch.setattr(stream._Compute, "__call__", lambda self: events.append("compute"))
     args = streamcli.build_parser().parse_args(["--cache-mib", "8", "--layer-mib", "4"])
     k, v = stream._layer(4 << 20, torch.device("cpu"))
-    stream.measure_tier("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
+    stream.measure_mode("file_async", args, torch.device("cpu"), str(tmp_path), k, v)
     assert events[:3] == ["get pass", "get pass", "compute"]
     assert events[3] == "timed loop with compute"
 

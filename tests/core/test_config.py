@@ -15,13 +15,13 @@ from offload_core import HostServices, KVStore, Mode, OffloadConfig
     ({"mode": "file_async", "prefetch_depth": 9}, r"`prefetch_depth` must be between 1 and 8 .*got 9"),
     ({"mode": "ram_async", "prefetch_depth": "2"}, r"`prefetch_depth` must be an int; got '2'"),
     ({"mode": "ram_async", "prefetch_depth": True}, r"`prefetch_depth` must be an int"),
-    ({"mode": "ram_sync", "prefetch_depth": 2}, r"`prefetch_depth` only applies to the async tiers.*'ram_sync'"),
+    ({"mode": "ram_sync", "prefetch_depth": 2}, r"`prefetch_depth` only applies to the async modes.*'ram_sync'"),
     ({"mode": "gpu", "prefetch_depth": 1}, r"`prefetch_depth` only applies .*Remove it"),
-    ({"mode": "ram_async", "file_dir": "."}, r"`file_dir` only applies to the file tiers.*'ram_async'"),
-    ({"mode": "gpu", "bypass_page_cache": False}, r"`bypass_page_cache` only applies to the file tiers"),
+    ({"mode": "ram_async", "file_dir": "."}, r"`file_dir` only applies to the file modes.*'ram_async'"),
+    ({"mode": "gpu", "bypass_page_cache": False}, r"`bypass_page_cache` only applies to the file modes"),
     ({"mode": "file_sync", "bypass_page_cache": "yes"}, r"`bypass_page_cache` must be True or False"),
     ({"mode": "ram_async", "pin_budget": -1}, r"`pin_budget` must be a number of bytes >= 0; got -1"),
-    ({"mode": "ram_sync", "pin_budget": 1 << 30}, r"`pin_budget` only applies to the async tiers"),
+    ({"mode": "ram_sync", "pin_budget": 1 << 30}, r"`pin_budget` only applies to the async modes"),
     ({"mode": "ram_async", "device_budget": -5}, r"`device_budget` must be a number of bytes >= 0 .*got -5.*2 << 30"),
     ({"mode": "auto", "device_budget": 1.5}, r"`device_budget` must be a number of bytes"),
     ({"mode": "gpu", "device_budget": 1 << 30}, r"`device_budget` only applies to .*'gpu'.*Remove it"),
@@ -31,7 +31,7 @@ from offload_core import HostServices, KVStore, Mode, OffloadConfig
     ({"mode": "ram_sync", "host_budget": True}, r"`host_budget` must be a number of bytes"),
     ({"mode": "ram_async", "storage": "int4"}, r"`storage` must be one of 'exact', 'fp8', 'int8'; got 'int4'"),
     ({"mode": "off", "storage": "fp8"}, r"`storage` 'fp8' only applies where a cache is kept.*'off'"),
-    ({"mode": "ram_sync", "file_dir": "."}, r"`file_dir` only applies to the file tiers \(and RAM modes with a `host_budget`\)"),
+    ({"mode": "ram_sync", "file_dir": "."}, r"`file_dir` only applies to the file modes \(and RAM modes with a `host_budget`\)"),
 ])
 def test_bad_options_are_rejected_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -142,7 +142,7 @@ def test_exception_mid_request_cleans_up(mode, tmp_path):
         with KVStore(config_for(mode, tmp_path), "cpu") as store:
             put_all(store, layers)
             store.get(0)
-            store.get(1)  # a prefetch of layer 2 is in flight on the async tiers
+            store.get(1)  # a prefetch of layer 2 is in flight in the async modes
             raise KeyboardInterrupt
     assert store.closed
     assert os.listdir(tmp_path) == []

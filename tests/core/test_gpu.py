@@ -23,7 +23,7 @@ def produce(n_layers, tokens=2048, dim=1024):
 @pytest.mark.parametrize("mode", TIERS)
 def test_bit_exact_under_compute_pressure_on_a_non_default_stream(mode, depth, tmp_path):
     if mode not in ("ram_async", "file_async") and depth > 1:
-        pytest.skip("prefetch depth applies to async tiers only")
+        pytest.skip("prefetch depth applies to the async modes only")
     layers = 12
     x, w = produce(layers)
     config = OffloadConfig(mode=mode, prefetch_depth=depth if "async" in mode else None,

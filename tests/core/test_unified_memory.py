@@ -1,4 +1,4 @@
-"""RAM tiers are disabled where host RAM and device memory are one pool (Apple MPS, integrated NVIDIA GPUs)."""
+"""The RAM modes are disabled where host RAM and device memory are one pool (Apple MPS, integrated NVIDIA GPUs)."""
 
 import logging
 from types import SimpleNamespace
@@ -29,7 +29,7 @@ def test_explicit_ram_tier_falls_back_to_gpu_with_one_warning(caplog):
     assert store.mode is Mode.GPU
     stats = store.stats()
     assert stats["requested"] == "ram_async" and stats["tier"] == "gpu"
-    assert "ram_async -> gpu: RAM tiers disabled, unified memory" in stats["reason"]
+    assert "ram_async -> gpu: RAM modes disabled, unified memory" in stats["reason"]
     assert [r.levelname for r in caplog.records] == ["WARNING"]
     store.close()
 

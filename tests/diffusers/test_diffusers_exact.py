@@ -1,4 +1,4 @@
-"""Every lossless mode gives the image the pipeline's own device-resident cache gives, bit for bit.
+"""Every lossless mode gives the image the pipeline's own on-device cache gives, bit for bit.
 
 The reference is the unpatched pipeline (upstream caching, no offload) with the same seed.
 """
