@@ -2,7 +2,7 @@
 
 Qwen-Image 2.1's prefix (text + references) is causal and modulated at t = 0, so its K/V depend only on what the
 model's own `prefix_cache_key(x, context, refs, slots)` holds (lengths, target size, slots, reference shapes,
-prompt embedding, reference latents) and on the model. A run that finds no slot of its own for a key asks
+prompt embedding, reference latents) and on the model. A run that finds no prefix entry of its own for a key asks
 `REUSE`, one process-wide `PrefixRegistry`: a hit serves a store kept by an earlier run, so that run skips its
 fill pass. The key adds the model as it affects the K/V: the diffusion model object, the patcher's weight-patch
 set (`patches_uuid`: LoRAs), its object patches other than ours, the weights by their full content and the

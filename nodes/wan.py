@@ -2,14 +2,14 @@
 
 ComfyUI (v0.33, `comfy/ldm/wan/model_animate2.py`) reads `transformer_options["animate2_cache"]` in the
 Wan Animate 2 forward and, when the forward carries pose latents, calls `select(pose_latents)`, then
-`filled(num_blocks)`; on a filling pass `put(i, x_pose)` with each block's pose-branch input (B, L, dim);
+`filled(num_blocks)`; on a filling pass `put(i, x_pose)` with each block's pose input (B, L, dim);
 on a cached pass `take(i, device, dtype, batch_size)` -> (batch_size, L, dim) and `prefetch(i + 1, device,
 dtype)` before block i's compute. Under context windows a filling pass puts every block first and then
 reads them all back in the same forward. ComfyUI's own `PoseBranchCache` (made by the `WanAnimate2Cache`
-node) keeps one slot per pose sequence -- one per context window -- keyed on batch row 0 of the pose
+node) keeps one entry per pose sequence -- one per context window -- keyed on batch row 0 of the pose
 latents and stores row 0 only (`x_pose[:1]`), repeated to the batch on read.
 
-`PoseStoreCache` keeps that contract with one engine `KVStore` per window (ComfyUI's slot), alive for one
+`PoseStoreCache` keeps that contract with one engine `KVStore` per window (ComfyUI's entry, which its code calls a slot), alive for one
 sampling run, one such cache per device under multi-GPU sampling (`PoseCaches`): the row-0 input is split along its tokens into the store's two tensors and joined again on read, so
 every lossless mode returns the very bytes that were put. The node's budgets cover the pose cache as a
 whole (all windows together): a window gets what the windows before it left of the RAM and VRAM budgets,
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CACHE_KEY = ANIMATE2_CACHE  # transformer_options key the Wan Animate 2 model reads
 POSE_CACHE = object()  # the run's extension key of this family's `PoseStoreCache`
 LABEL = "WanAnimate2Cache"
-MARGIN = 1.5  # ComfyUI's own estimate for the next slot: the largest filled one, times 1.5
+MARGIN = 1.5  # ComfyUI's own estimate for the next window: the largest filled one, times 1.5
 
 
 def has_pose_cache(dm) -> bool:

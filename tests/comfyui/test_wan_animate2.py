@@ -1,4 +1,4 @@
-"""Wan Animate 2 in a real ComfyUI: the pose-branch cache served by KV Offload Settings.
+"""Wan Animate 2 in a real ComfyUI: the pose cache served by KV Offload Settings.
 
 A tiny random Wan Animate 2 checkpoint (tests/comfyui/make_tiny_wan_animate2.py) is loaded with `UNETLoader`;
 seeded random pose latents ride the conditioning as `WanAnimate2ToVideo` would put them there. Every lossless

@@ -1,4 +1,4 @@
-"""Wan Animate 2: the pose-branch cache served by our stores, against ComfyUI's own cpu/default cache."""
+"""Wan Animate 2: the pose cache served by our stores, against ComfyUI's own cpu/default cache."""
 
 import logging
 import os

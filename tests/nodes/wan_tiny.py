@@ -31,7 +31,7 @@ class TinyWanAnimate2(torch.nn.Module):
         self.heads = heads
         self.blocks = [None] * layers  # what detection and the block count look at
         w = lambda: torch.randn(hidden, hidden, generator=g) * hidden ** -0.5  # noqa: E731
-        self.pose_w = [(w(), w(), w(), w()) for _ in range(layers)]  # q, k, v, out of the pose branch
+        self.pose_w = [(w(), w(), w(), w()) for _ in range(layers)]  # q, k, v, out of the pose pass
         self.gen_w = [(w(), w(), w(), w()) for _ in range(layers)]
         self.embed = w()
         self.fail_at = None  # (forward number, block): raise KeyboardInterrupt there, like an interrupt

@@ -89,7 +89,7 @@ class KVOffloadTestPoseConditioning:
     """Seeded random pose-video latents and the pose prompt on a conditioning (what `WanAnimate2ToVideo` sets).
 
     Wire the positive's output into the negative's `pose_prompt` so both carry the positive's prompt for the
-    pose branch, as `WanAnimate2ToVideo` does."""
+    pose pass, as `WanAnimate2ToVideo` does."""
 
     CATEGORY = "kv_offload/testing"
     RETURN_TYPES = ("CONDITIONING",)
