@@ -57,8 +57,9 @@ def memory_axis(rows: list[dict], device: str) -> str:
     field, _ = device_memory_column(rows)
     if field == "peak_device_allocated":
         return "peak VRAM allocated by torch (MiB, max_memory_allocated)"
-    where = "RAM (the CPU's own memory)" if device.startswith("cpu") else f"{device} memory"
-    return f"peak K/V resident in {where}, MiB (engine figure)"
+    where = "a CPU: its RAM" if device.startswith("cpu") else device
+    # "on the device", not "resident": the figure counts the ring's slots too (docs/glossary.md)
+    return f"peak K/V on the device ({where}), MiB (engine figure)"
 
 
 def _range(r: dict) -> str:

@@ -85,7 +85,8 @@ def test_every_row_of_the_full_table_gets_its_own_colour_and_marker_and_the_axis
     assert len(set(COLOURS)) >= len(ALL_ROWS) and len(set(MARKERS)) >= len(ALL_ROWS)
     cpu = [{"peak_device_allocated": None, "peak_kv_device": 1}]
     cuda = [{"peak_device_allocated": 5, "peak_kv_device": 1}]
-    assert "RAM (the CPU's own memory)" in memory_axis(cpu, "cpu")
+    assert memory_axis(cpu, "cpu") == "peak K/V on the device (a CPU: its RAM), MiB (engine figure)"
+    assert "resident" not in memory_axis([{"peak_device_allocated": None, "peak_kv_device": 1}], "mps")
     assert memory_axis(cuda, "cuda:0").startswith("peak VRAM allocated")
 
 
