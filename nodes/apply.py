@@ -17,6 +17,7 @@ import logging
 from typing import Callable, Optional
 
 from ..offload_core.config import Mode, OffloadConfig
+from ..offload_core.store import KVStore
 from .families import detect_family
 from .keys import PATCHES, TRANSFORMER_OPTIONS
 from .patches import is_flux_kv_cache_patch, is_ours
@@ -45,6 +46,9 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
         return m, _said(logging.WARNING, f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack "
                         "knows (FLUX.2 Klein KV, Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions "
                         "that have it, Wan Animate 2); model unchanged.")
+    device = getattr(m, "load_device", None)  # ComfyUI's ModelPatcher: where sampling computes
+    if device is not None and config.mode is not Mode.OFF:
+        KVStore.check_config(config, device)  # a pair no store can serve fails here, before any patch
     keeps = REUSE.decided(family.name, reuse if config.mode is not Mode.OFF else False)
     _strip_patches(m, config.mode)
     to = m.model_options.setdefault(TRANSFORMER_OPTIONS, {})

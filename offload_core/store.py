@@ -253,6 +253,15 @@ class KVStore:
         """The codec's error over every layer put, and the layers kept exact (`codec.Compact.summary`)."""
         return self._compact.summary()
 
+    @staticmethod
+    def check_config(config: OffloadConfig, device) -> torch.device:
+        """Raises what `KVStore(config, device)` would raise for this pair, and makes nothing; returns the device.
+
+        A host checks a user's choice with it where it learns the device, before it patches a model or starts a
+        run (the ComfyUI node: a storage the device cannot decode fails on the node, not in the middle of
+        sampling)."""
+        return _check_config(config, device)
+
     def stats(self) -> dict:
         """A plain dict of what the store holds where, what it moved and how long the consumer waited."""
         res = self._res
@@ -267,14 +276,18 @@ class KVStore:
 
 def _check_args(config, device, expected_bytes) -> torch.device:
     """The arguments of `KVStore(config, device, expected_bytes=...)` checked; returns the device."""
+    if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
+                                       or expected_bytes < 0):
+        raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
+    return KVStore.check_config(config, device)
+
+
+def _check_config(config, device) -> torch.device:
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"KVStore: `config` must be an OffloadConfig; got {type(config).__name__}.")
     if config.mode is Mode.OFF:
         raise ValueError("KVStore: mode 'off' means no KV cache, so there is nothing to store; "
                          "recompute the prefix instead of creating a store.")
-    if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
-                                       or expected_bytes < 0):
-        raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
     device = check_device(device)
     if config.storage == "fp8" and device.type == "mps":
         raise ValueError("KVStore: `storage` 'fp8' needs float8 kernels, which torch has no MPS version of; "

@@ -216,6 +216,7 @@ class FakePatcher:
         self.model_options = model_options or {"transformer_options": {}}
         self.wrappers = {}
         self.object_patches = {}
+        self.load_device = None  # ComfyUI's names where sampling computes; None: a stand-in that does not say
 
     def clone(self):
         from kv_offload_pack.nodes.wrappers import copy_nested_dicts
@@ -223,6 +224,7 @@ class FakePatcher:
         n = FakePatcher(self.dm, copy_nested_dicts(self.model_options))
         n.wrappers = {t: {k: list(v) for k, v in d.items()} for t, d in self.wrappers.items()}
         n.object_patches = dict(self.object_patches)
+        n.load_device = self.load_device  # as ComfyUI's clone keeps it
         return n
 
     def get_model_object(self, name):

@@ -7,7 +7,7 @@ from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs, validation_message
 from kv_offload_pack.offload_core import KVStore
 
-from nodes_tiny import FluxKVCacheReference, FakePatcher, sample
+from nodes_tiny import FluxKVCacheReference, FakePatcher, TinyDiT, sample
 from patch_helpers import Recorder, inputs, patched_tiny, run_mode
 
 
@@ -19,6 +19,20 @@ def test_unknown_model_keeps_an_upstream_flux_kv_cache():
     patched, msg = apply_offload(upstream, config_from_inputs("ram_sync"), host=lambda p: None, store_factory=KVStore)
     assert "model unchanged" in msg
     assert patched.model_options == upstream.model_options
+
+
+def test_a_storage_the_models_device_cannot_decode_fails_on_the_node_before_any_patch():
+    upstream = FakePatcher(TinyDiT())
+    upstream.load_device = torch.device("mps")  # what ComfyUI's ModelPatcher says on Apple silicon (no MPS needed)
+    before = FakePatcher.clone(upstream)
+    fp8 = config_from_inputs("ram_sync", storage="fp8")
+    with pytest.raises(ValueError, match="`storage` 'fp8'.*mps device. Use storage='int8' there"):
+        apply_offload(upstream, fp8, host=lambda p: None, store_factory=KVStore)
+    assert upstream.model_options == before.model_options and upstream.wrappers == before.wrappers == {}
+    patched, msg = apply_offload(upstream, config_from_inputs("ram_sync", storage="int8"), host=lambda p: None)
+    assert "mode ram_sync" in msg and patched.wrappers
+    upstream.load_device = torch.device("cpu")
+    assert "mode ram_sync" in apply_offload(upstream, fp8, host=lambda p: None)[1]
 
 
 def test_mode_off_still_brackets_the_run_for_the_readout(tmp_path):
