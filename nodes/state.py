@@ -14,7 +14,6 @@ This module imports no ComfyUI.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import uuid as _uuid
@@ -22,31 +21,16 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from ..offload_core.places import HOST_PLACES
-from ..offload_core.store import KVStore
 from ..offload_core.tiers import KVWriteError
 from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, ForwardWatcher, RunExtension, layer_bytes
 from .keys import RUN_KEY  # noqa: F401  (re-exported: where the live RunState is found)
 from .readout import guarded
+from .stores import StoreOpener
 
 log = logging.getLogger(__name__)
 
 WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
 _WARNED: set = set()  # what was said once a process at WARNING (at DEBUG after that)
-
-
-def ram_to_fill(store) -> int:
-    """Bytes of RAM `store` planned to keep and does not hold yet (0 for a store without a plan, or closed)."""
-    plan = getattr(store, "plan", None)
-    if plan is None or getattr(store, "closed", True):
-        return 0
-    counts = plan.counts()
-    planned = sum(counts[p] for p in HOST_PLACES) * plan.layer_bytes
-    try:  # its own thread may be closing it right now (an interrupt): then count it as not filled
-        held = sum(store.stats()["bytes"].get(p) or 0 for p in HOST_PLACES)
-    except Exception:  # noqa: BLE001 - a store read from another thread; planning must go on
-        held = 0
-    return max(0, planned - held)
 
 
 class RunState:
@@ -69,8 +53,8 @@ class RunState:
         self.config = config
         self.host = host
         self.n_layers = max(int(n_layers), 1)
-        self.store_factory = store_factory
         self.telemetry = guarded(telemetry)
+        self.opener = StoreOpener(host, self.telemetry, store_factory)  # opens and tracks every store of the run
         self.run_id = run_id or _uuid.uuid4().hex[:12]
         self.branches: dict[Hashable, BranchCache] = {}
         self._local = threading.local()  # this thread's forward in progress (`forward`), its device and model
@@ -81,8 +65,6 @@ class RunState:
         self.closed = False
         self.stood_down: Optional[str] = None  # why the cache stepped aside for the rest of the run
         self._lock = threading.RLock()  # guards `branches` (threads of multi-GPU sampling add and drop them)
-        self._planning = threading.Lock()  # multi-GPU sampling: one store plans at a time (`put`, `_host_for`)
-        self._warned = set()
         self.extensions: dict[Hashable, RunExtension] = {}  # a family's own state, under its own key object
         self.watchers: list[ForwardWatcher] = []  # told of each forward (prefix reuse times them: nodes/reuse.py)
 
@@ -198,12 +180,7 @@ class RunState:
             branch.store = self.open_store(branch.name, self.thread_device or k.device,
                                            layer_bytes(k, v) * self.n_layers * together)
         try:
-            if self.devices and not branch.layers:  # its first put: where the store plans
-                # Stores of several devices plan one at a time, each against the RAM the others booked: the
-                # devices' threads share the host's RAM (`_host_for`).
-                with self._planning:
-                    branch.store.put(layer, k, v)
-            else:
+            with self.opener.planning(self.devices and not branch.layers):  # its first put: where the store plans
                 branch.store.put(layer, k, v)
         except KVWriteError as exc:
             # Disk full or failing during the capture. This forward computes every layer from the full input
@@ -248,48 +225,18 @@ class RunState:
 
     def open_store(self, name: str, device, expected_bytes: int, config=None):
         """A new store of this run (`config`: the run's unless given), shown in the readout as `name`."""
-        config = self.config if config is None else config
-        host = self._host_for(name)
-        if self.store_factory is None:
-            store = KVStore(config, device, host=host, expected_bytes=expected_bytes, name=name)
-        else:
-            store = self.store_factory(config, device, host=host, expected_bytes=expected_bytes, name=name)
-        self.track_store(name, store)
-        return store
+        others = (lambda: self._stores_beside(name)) if self.devices else None
+        return self.opener.open(name, self.config if config is None else config, device, expected_bytes,
+                                requested=self.config.mode, others=others)
 
-    def _host_for(self, name: str):
-        """The host services of new store `name`. Under multi-GPU sampling the free RAM it plans against leaves
-        out what the run's other stores planned to keep in RAM and have not filled yet (another device's store
-        may be filling right now): two devices never book the same free RAM."""
-        free = getattr(self.host, "free_host_memory", None)
-        if not self.devices or not callable(free):
-            return self.host
-
-        def free_beside_others() -> Optional[int]:
-            total = free()
-            if total is None:
-                return None
-            with self._lock:
-                others = [b.store for b in self.branches.values() if b.store is not None and b.name != name]
-            return max(0, total - sum(ram_to_fill(s) for s in others))
-
-        return dataclasses.replace(self.host, free_host_memory=free_beside_others)
+    def _stores_beside(self, name: str) -> list:
+        """The run's open stores but `name`: under multi-GPU sampling, what a new store shares the host's RAM with."""
+        with self._lock:
+            return [b.store for b in self.branches.values() if b.store is not None and b.name != name]
 
     def track_store(self, name: str, store) -> None:
         """Show `store` in the readout as `name`, and warn once if it runs in another mode than the one asked."""
-        self._note_fallback(store)
-        self.telemetry.track(name, store)
-
-    def _note_fallback(self, store) -> None:
-        requested = self.config.mode
-        in_effect = getattr(store, "mode", None)  # a stand-in store of a test may not say
-        reason = getattr(store, "reason", "")
-        if requested is None or in_effect is None or in_effect == requested or str(requested) == "auto":
-            return
-        key = (str(requested), str(in_effect))
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning("KV Offload: mode %s runs as %s: %s", requested, in_effect, reason)
+        self.opener.track(name, store, self.config.mode)
 
     # --- lifetime ---------------------------------------------------------------------------------------
     def stand_down(self, reason: str) -> None:
