@@ -13,15 +13,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".telemetry")  # one logger for the readout's failures
+from .once import warn_once
 
-_FAILED: set = set()  # what of the readout raised: warned about once per process, at debug level after that
+log = logging.getLogger(__name__.rsplit(".", 1)[0] + ".telemetry")  # one logger for the readout's failures
 
 
 def log_failure(what: str) -> None:
-    level = logging.DEBUG if what in _FAILED else logging.WARNING
-    _FAILED.add(what)
-    log.log(level, "KV Offload: the memory readout's %s failed", what, exc_info=True)
+    warn_once(log, f"readout: {what}", "KV Offload: the memory readout's %s failed", what)
 
 
 class Readout:

@@ -24,13 +24,13 @@ import torch
 from ..offload_core.tiers import KVWriteError
 from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, ForwardWatcher, RunExtension, layer_bytes
 from .keys import RUN_KEY  # noqa: F401  (re-exported: where the live RunState is found)
+from .once import warn_once
 from .readout import guarded
 from .stores import StoreOpener
 
 log = logging.getLogger(__name__)
 
 WRITE_FAILED = "the cache files could not be written, so caching is off for this run ({})"
-_WARNED: set = set()  # what was said once a process at WARNING (at DEBUG after that)
 
 
 class RunState:
@@ -323,7 +323,5 @@ class RunState:
             try:
                 cleanup()
             except Exception as exc:  # the run is over either way: a folder left behind must not fail it
-                level = logging.DEBUG if "temp_dir" in _WARNED else logging.WARNING
-                _WARNED.add("temp_dir")
-                log.log(level, "KV Offload: could not remove the run's cache directory (%s: %s); it stays on disk "
-                        "until the pack next loads and reclaims it", type(exc).__name__, exc, exc_info=True)
+                warn_once(log, "run directory removal", "KV Offload: could not remove the run's cache directory "
+                          "(%s: %s); it stays on disk until the pack next loads and reclaims it", type(exc).__name__, exc)

@@ -119,9 +119,9 @@ def test_an_interrupt_while_standing_down_closes_the_other_stores_first():
 
 
 def test_a_run_directory_that_cannot_be_removed_is_said_once_at_warning(monkeypatch, caplog):
-    from kv_offload_pack.nodes import state
+    from kv_offload_pack.nodes import once
 
-    monkeypatch.setattr(state, "_WARNED", set())
+    monkeypatch.setattr(once, "_SAID", set())
 
     class Stuck:  # the host's per-run directory (`nodes/host.py`'s RunDir): called for its path, cleaned up at the end
         def __call__(self):

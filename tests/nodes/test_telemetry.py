@@ -208,9 +208,9 @@ def test_a_readout_call_that_fails_is_logged_and_never_breaks_the_run(caplog):
 
 
 def test_a_server_that_refuses_every_push_is_said_once_at_warning_and_the_run_goes_on(monkeypatch, caplog):
-    from kv_offload_pack.nodes import readout
+    from kv_offload_pack.nodes import once
 
-    monkeypatch.setattr(readout, "_FAILED", set())
+    monkeypatch.setattr(once, "_SAID", set())
 
     def refuse(event, data):
         raise ConnectionError("socket closed")
