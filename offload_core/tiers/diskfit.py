@@ -232,7 +232,7 @@ def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: i
             ring[-1].tensor.fill_(1)  # touched now, so no page fault is timed
             views.append(ring[-1].memory())
         pool = iopool.IOPool(max((depth, *deeper)), "kv_offload_probe")
-        f = reserve(path, nbytes, cache_mode)
+        f = reserve(path, [(0, nbytes)], cache_mode)
         write = timed(pool, nbytes, request, depth, lambda i, off: pwrite_all(f, views[i % depth], off, path))
         f.close()
         f = fileos.current().open(path, os.O_RDONLY, cache_mode=cache_mode)

@@ -5,7 +5,7 @@
 | positional I/O         | `pwrite`, `preadv`            | `pwrite`, `preadv` (else `pread` + a copy) | a descriptor per I/O thread: `lseek` + `write` / `readinto` |
 | page-cache bypass      | `O_DIRECT` (probed), else `posix_fadvise` | `F_NOCACHE` on every descriptor | `FILE_FLAG_NO_BUFFERING` (`CreateFileW`, probed), else buffered and `page_cache` says so |
 | flush                  | `fdatasync`                   | `fsync`                     | `fsync`                             |
-| reserve a file's space | `posix_fallocate`             | `F_PREALLOCATE`             | `ftruncate` (NTFS allocates what it extends) |
+| reserve a file's space | `posix_fallocate`, in pieces  | `F_PREALLOCATE`             | `ftruncate` (NTFS allocates what it extends) |
 | binary bytes           | always                        | always                      | `O_BINARY` on every open            |
 | delete / rename open   | allowed                       | allowed                     | refused: callers close first; a short bounded retry for a scanner |
 | owner lock             | `flock`                       | `flock`                     | `msvcrt.locking` on the lock file's first byte |
@@ -25,7 +25,7 @@ import struct
 import sys
 import threading
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 try:
     import fcntl as _fcntl
@@ -46,6 +46,14 @@ FILE_FLAG_NO_BUFFERING = 0x20000000
 _F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
 _SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
 BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
+# The most `posix_fallocate` is asked for at once. A disk's own grain is often larger than a page (a virtual
+# disk's backing, an SSD's erase unit), and a request that straddles two of them costs more. ext4 places an
+# allocation of up to 32 MiB on a 2 MiB boundary, but one of 50-127 MiB 8 KiB past it (two blocks into a block
+# group), and one file allocated whole puts its data a header's length past wherever the file starts. So a
+# layer file's header and data are allocated apart, the data in pieces of at most this size. Measured on this
+# project's virtual disk (ext4, 64 MiB layers, 8 MiB requests, 4 in flight): data 8 KiB past the boundary
+# wrote at 0.6-0.75 and read at about 0.9 of the same files with their data on it.
+RESERVE_PIECE = 32 << 20
 
 
 class FileOS:
@@ -118,26 +126,31 @@ class FileOS:
         if hasattr(self.os, "posix_fadvise"):
             self.os.posix_fadvise(fd, 0, 0, self.os.POSIX_FADV_DONTNEED)
 
-    def reserve(self, fd: int, length: int) -> None:
-        """Allocates `length` bytes for the new file `fd`, so a full disk fails now (OSError ENOSPC), not later."""
+    def reserve(self, fd: int, extents: List[Tuple[int, int]]) -> None:
+        """Allocates the (offset, length) `extents` of the new file `fd` (adjacent, in order: the file ends with
+        the last), each by itself and in pieces of at most `RESERVE_PIECE`, so a full disk fails now (OSError
+        ENOSPC), not later."""
         o = self.os
+        total = sum(length for _, length in extents)
         if hasattr(o, "posix_fallocate"):
             try:
-                o.posix_fallocate(fd, 0, length)
+                for start, length in extents:
+                    for off in range(start, start + length, RESERVE_PIECE):
+                        o.posix_fallocate(fd, off, min(RESERVE_PIECE, start + length - off))
                 return
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
             return  # a filesystem without allocation (some network ones): the writes report a full disk
-        if self.name == "macos" and self.fcntl is not None and length:
-            store = struct.pack("Iiqqq", _F_ALLOCATEALL, _F_PEOFPOSMODE, 0, length, 0)
+        if self.name == "macos" and self.fcntl is not None and total:
+            store = struct.pack("Iiqqq", _F_ALLOCATEALL, _F_PEOFPOSMODE, 0, total, 0)
             try:
                 self.fcntl.fcntl(fd, F_PREALLOCATE, store)
             except OSError as exc:
                 if exc.errno not in (errno.ENOTSUP, errno.EINVAL):
                     raise
         if self.name in ("macos", "windows"):
-            o.ftruncate(fd, length)  # Windows: NTFS allocates the extension (a full disk fails here)
+            o.ftruncate(fd, total)  # Windows: NTFS allocates the extension (a full disk fails here)
 
     # -- deleting and renaming ---------------------------------------------------------------------------
     def replace(self, src: str, dst: str) -> None:

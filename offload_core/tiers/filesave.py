@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import shutil
+from typing import List, Tuple
 
 from ..places import KiB, MiB
 from . import fileos
@@ -17,8 +18,9 @@ from .fileos import Handle
 log = logging.getLogger(__name__)
 
 
-def reserve(path: str, length: int, cache_mode: str) -> Handle:
-    """Creates `path` (a temp name) with `length` bytes allocated; returns it, opened for writing.
+def reserve(path: str, extents: List[Tuple[int, int]], cache_mode: str) -> Handle:
+    """Creates `path` (a temp name) with its (offset, length) `extents` allocated (the file ends with the last;
+    what lies between them is a hole); returns it, opened for writing.
 
     Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
     instead of in a background write later. The allocation goes through a buffered descriptor: `O_DIRECT` is
@@ -26,13 +28,14 @@ def reserve(path: str, length: int, cache_mode: str) -> Handle:
     writing zeros from a buffer of its own, which an unbuffered handle refuses).
     """
     fs = fileos.current()
+    length = sum(n for _, n in extents)
     try:
         f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                     cache_mode="off" if cache_mode in fileos.DIRECT_MODES else cache_mode)
     except OSError as exc:
         raise write_error(path, length, exc) from None
     try:
-        fs.reserve(f.fd, length)
+        fs.reserve(f.fd, extents)
         if cache_mode == "o_direct":
             fs.fcntl.fcntl(f.fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(f.fd, fs.fcntl.F_GETFL) | fs.o_direct)
         elif cache_mode == "no_buffering":

@@ -5,7 +5,8 @@ the consumer's stream) into a free buffer and its write queued to the I/O thread
 checksum it beside the I/O, and the buffer is free again when both are done. So the copy of a layer overlaps
 its writes, the next layer's chunks queue behind this one's without the disk going idle, and the staging a
 write holds is a few chunks whatever the layer size. The file is created under a temp name with its whole
-size allocated first (a full disk fails right there, in `put`); once its chunks are on disk, the write lane
+size allocated first (a full disk fails right there, in `put`), its data apart from its header, so that the
+filesystem places the data's extents on the disk's own grain (`fileos.FileOS.reserve`); once its chunks are on disk, the write lane
 (one thread, first in first out) writes the header with the chunk digests and renames the file whole.
 """
 
@@ -16,7 +17,7 @@ import functools
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Hashable, List, Optional
+from typing import Hashable, List, Optional, Tuple
 
 import torch
 
@@ -45,6 +46,11 @@ class LayerFile:
     @property
     def total(self) -> int:
         return len(self.header) + self.layout.data_bytes
+
+    @property
+    def extents(self) -> List[Tuple[int, int]]:
+        """(offset, length) of the file's header and of its data, allocated apart (`fileos.FileOS.reserve`)."""
+        return [(0, len(self.header)), (len(self.header), self.layout.data_bytes)]
 
 
 @dataclass
@@ -137,7 +143,7 @@ class Writer:
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
             self._count(+1)
-            job.file = reserve(job.tmp, entry.total, self.cache_mode)  # a full disk fails here, before any write
+            job.file = reserve(job.tmp, entry.extents, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
             self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
                               into=job.lane, done=functools.partial(self._cancelled_write, job))

@@ -163,3 +163,31 @@ def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
     got_k, got_v = store.get(1)
     assert tier._files[1].written and torch.equal(got_k, k * 2) and torch.equal(got_v, v * 2)
     store.close()
+
+
+def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_path, monkeypatch, system):
+    """The header gets its own allocation and the data pieces of at most `RESERVE_PIECE`, each by itself: a
+    filesystem places each such allocation on its own boundary (ext4: 2 MiB up to 32 MiB, but 8 KiB past it
+    for one of 50-127 MiB), so the data's requests do not straddle the disk's grain."""
+    from offload_core.tiers import fileos
+
+    if system.name != "linux":
+        pytest.skip("posix_fallocate is Linux's: macOS preallocates a file whole, Windows extends it")
+    monkeypatch.setattr(fileos, "RESERVE_PIECE", 64 << 10)
+    calls = []
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (calls.append((off, n)), real(fd, off, n))[1])
+    layers = make_layers(range(1), torch.float32, seed=3, shape=(1, 2, 300, 64))  # 150 KiB per tensor
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+    put_all(store, layers)
+    store.flush()
+    path, = layer_files(store)
+    with open(path, "rb") as f:
+        head = 8 + struct.unpack("<Q", f.read(8))[0]
+    assert calls[0] == (0, head)
+    pieces = calls[1:]
+    assert [off for off, _ in pieces] == [head + i * (64 << 10) for i in range(len(pieces))]
+    assert all(n <= 64 << 10 for _, n in pieces) and len(pieces) >= 4
+    assert head + sum(n for _, n in pieces) == os.path.getsize(path)
+    assert torch.equal(store.get(0)[0], layers[0][0])
+    store.close()
