@@ -46,14 +46,30 @@ FILE_FLAG_NO_BUFFERING = 0x20000000
 _F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
 _SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
 BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
-# The most `posix_fallocate` is asked for at once. A disk's own grain is often larger than a page (a virtual
-# disk's backing, an SSD's erase unit), and a request that straddles two of them costs more. ext4 places an
-# allocation of up to 32 MiB on a 2 MiB boundary, but one of 50-127 MiB 8 KiB past it (two blocks into a block
-# group), and one file allocated whole puts its data a header's length past wherever the file starts. So a
-# layer file's header and data are allocated apart, the data in pieces of at most this size. Measured on this
-# project's virtual disk (ext4, 64 MiB layers, 8 MiB requests, 4 in flight): data 8 KiB past the boundary
-# wrote at 0.6-0.75 and read at about 0.9 of the same files with their data on it.
+# How `posix_fallocate` is asked for a layer file's data: in pieces of a power of two from `RESERVE_GRAIN` to
+# `RESERVE_PIECE`, largest first (the rest, under a grain, last). A disk's own grain is often larger than a page
+# (a virtual disk's backing, an SSD's erase unit), and a request that straddles two of them costs more. ext4
+# starts an allocation of a power of two up to 32 MiB on a boundary of its size, and others where it finds room:
+# a 50 MiB one two blocks (8 KiB) past a 2 MiB boundary, a 3 MiB one anywhere; and a file allocated whole puts
+# its data a header's length past wherever the file starts. Measured on this project's virtual disk (ext4,
+# 64 MiB layers, 8 MiB requests, 4 in flight): data 8 KiB past the boundary wrote at 0.6-0.75 and read at
+# about 0.9 of the same files with their data on it. So a layer file's header and data are allocated apart,
+# the data in such pieces: each starts on a 2 MiB boundary, and so does every request of a whole grain's size.
+RESERVE_GRAIN = 2 << 20
 RESERVE_PIECE = 32 << 20
+
+
+def reserve_pieces(start: int, length: int) -> List[Tuple[int, int]]:
+    """(offset, length) of the allocations that cover [start, start + length): powers of two from
+    `RESERVE_PIECE` down to `RESERVE_GRAIN`, largest first, then what is left under a grain as one."""
+    pieces, size = [], RESERVE_PIECE
+    while length:
+        while size > RESERVE_GRAIN and size > length:
+            size //= 2
+        n = min(size, length)
+        pieces.append((start, n))
+        start, length = start + n, length - n
+    return pieces
 
 
 class FileOS:
@@ -128,15 +144,15 @@ class FileOS:
 
     def reserve(self, fd: int, extents: List[Tuple[int, int]]) -> None:
         """Allocates the (offset, length) `extents` of the new file `fd` (adjacent, in order: the file ends with
-        the last), each by itself and in pieces of at most `RESERVE_PIECE`, so a full disk fails now (OSError
-        ENOSPC), not later."""
+        the last), each by itself and in `reserve_pieces`, so a full disk fails now (OSError ENOSPC), not
+        later."""
         o = self.os
         total = sum(length for _, length in extents)
         if hasattr(o, "posix_fallocate"):
             try:
                 for start, length in extents:
-                    for off in range(start, start + length, RESERVE_PIECE):
-                        o.posix_fallocate(fd, off, min(RESERVE_PIECE, start + length - off))
+                    for off, n in reserve_pieces(start, length):
+                        o.posix_fallocate(fd, off, n)
                 return
             except OSError as exc:
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):

@@ -13,6 +13,8 @@ from offload_core import KVFileError, KVStore, OffloadConfig
 
 from store_helpers import make_layers, put_all
 
+MiB = 1 << 20
+
 
 def filled_store(mode, tmp_path, n=3, dtype=torch.bfloat16):
     layers = make_layers(range(n), dtype, seed=11, shape=(1, 2, 33, 16))
@@ -166,13 +168,14 @@ def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
 
 
 def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_path, monkeypatch, system):
-    """The header gets its own allocation and the data pieces of at most `RESERVE_PIECE`, each by itself: a
-    filesystem places each such allocation on its own boundary (ext4: 2 MiB up to 32 MiB, but 8 KiB past it
-    for one of 50-127 MiB), so the data's requests do not straddle the disk's grain."""
+    """The header gets its own allocation and the data `reserve_pieces`, each by itself: a filesystem starts each
+    power-of-two allocation on a boundary of its size (ext4, up to 32 MiB), so no request of the data straddles
+    the disk's 2 MiB grain (a 50 MiB allocation started 8 KiB past one)."""
     from offload_core.tiers import fileos
 
     if system.name != "linux":
         pytest.skip("posix_fallocate is Linux's: macOS preallocates a file whole, Windows extends it")
+    monkeypatch.setattr(fileos, "RESERVE_GRAIN", 16 << 10)
     monkeypatch.setattr(fileos, "RESERVE_PIECE", 64 << 10)
     calls = []
     real = os.posix_fallocate
@@ -185,9 +188,26 @@ def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_pat
     with open(path, "rb") as f:
         head = 8 + struct.unpack("<Q", f.read(8))[0]
     assert calls[0] == (0, head)
-    pieces = calls[1:]
-    assert [off for off, _ in pieces] == [head + i * (64 << 10) for i in range(len(pieces))]
-    assert all(n <= 64 << 10 for _, n in pieces) and len(pieces) >= 4
-    assert head + sum(n for _, n in pieces) == os.path.getsize(path)
+    sizes = [64, 64, 64, 64, 32, 16]  # KiB: the layer's 304 KiB of data
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    assert calls[1:] == [(head + (o << 10), n << 10) for o, n in zip(offsets, sizes)]
+    assert os.path.getsize(path) - head == sum(sizes) << 10
     assert torch.equal(store.get(0)[0], layers[0][0])
     store.close()
+
+
+def test_reserve_pieces_are_powers_of_two_largest_first():
+    from offload_core.tiers.fileos import reserve_pieces
+
+    def sizes(mib):
+        pieces = reserve_pieces(4096, int(mib * MiB))
+        assert [off for off, _ in pieces] == [4096 + sum(n for _, n in pieces[:i]) for i in range(len(pieces))]
+        return [n / MiB for _, n in pieces]
+
+    assert sizes(50) == [32, 16, 2]
+    assert sizes(3) == [2, 1]
+    assert sizes(70) == [32, 32, 4, 2]
+    assert sizes(5.5) == [4, 1.5]
+    assert sizes(64) == [32, 32]
+    assert sizes(0.75) == [0.75]
+    assert sizes(0) == []
