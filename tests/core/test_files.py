@@ -169,7 +169,7 @@ def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
 
 def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_path, monkeypatch, system):
     """The header gets its own allocation and the data `reserve_pieces`, each by itself: a filesystem starts each
-    power-of-two allocation on a boundary of its size (ext4, up to 32 MiB), so no request of the data straddles
+    power-of-two allocation of 2 to 32 MiB on a 2 MiB boundary (ext4), so no request of the data straddles
     the disk's 2 MiB grain (a 50 MiB allocation started 8 KiB past one)."""
     from offload_core.tiers import fileos
 
