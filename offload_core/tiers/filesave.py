@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 
 def reserve(path: str, extents: List[Tuple[int, int]], cache_mode: str) -> Handle:
-    """Creates `path` (a temp name) with its (offset, length) `extents` allocated (the file ends with the last;
-    what lies between them is a hole); returns it, opened for writing.
+    """Creates `path` (a temp name) with its (offset, length) `extents` allocated, each apart (adjacent, in order:
+    the file ends with the last; `fileos.FileOS.reserve`); returns it, opened for writing.
 
     Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
     instead of in a background write later. The allocation goes through a buffered descriptor: `O_DIRECT` is
