@@ -163,6 +163,43 @@ def test_header_holds_the_checksum_of_every_chunk(mode, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_small_layer_is_read_as_four_requests(mode, tmp_path, monkeypatch):
+    """A layer of less than four requests goes as four chunks (a power of two, at least 2 MiB), so the disk
+    has more than one request of it at once; each chunk has its digest, and the layer reads back exact."""
+    import json
+    import struct
+
+    from offload_core.tiers import fileread
+
+    sizes = []
+    real = fileread.pread_exact
+    monkeypatch.setattr(fileread, "pread_exact", lambda fd, view, off, path, head=None: (
+        sizes.append(len(view)), real(fd, view, off, path, head=head))[1])
+    store, layers = filled_store(mode, tmp_path, n=2, shape=(1, 4, 2048, 128))  # 4 MiB per tensor: 8 MiB a layer
+    with open(layer_path(store, 1), "rb") as f:
+        meta = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))["__metadata__"]
+    assert int(meta["chunk_bytes"]) == 2 << 20 and len(meta["digests"].split(",")) == 4
+    sizes.clear()
+    k, v = store.get(1)
+    assert torch.equal(k, layers[1][0]) and torch.equal(v, layers[1][1])
+    store.close()
+    assert sum(sizes) == 8 << 20 and len(sizes) >= 4 and max(sizes) <= 2 << 20
+
+
+def test_layer_chunk_is_the_request_or_a_quarter_of_a_small_layer():
+    from offload_core.tiers.filewrite import layer_chunk
+
+    MiB = 1 << 20
+    assert layer_chunk(64 * MiB, 8 * MiB) == 8 * MiB
+    assert layer_chunk(32 * MiB, 8 * MiB) == 8 * MiB
+    assert layer_chunk(20 * MiB, 8 * MiB) == 8 * MiB  # a quarter (5 MiB) rounds up to 8
+    assert layer_chunk(8 * MiB, 8 * MiB) == 2 * MiB
+    assert layer_chunk(8 * MiB + 4096, 8 * MiB) == 4 * MiB
+    assert layer_chunk(3 * MiB, 8 * MiB) == layer_chunk(8192, 8 * MiB) == layer_chunk(0, 8 * MiB) == 2 * MiB
+    assert layer_chunk(8 * MiB, 1 * MiB) == 1 * MiB  # never more than the request
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_every_layer_is_verified_on_every_read(mode, tmp_path):
     # Damage after several clean passes still fails: the check is not a one-off at the first read.
     store, layers = filled_store(mode, tmp_path, n=4)
