@@ -279,7 +279,7 @@ def _check_args(config, device, expected_bytes) -> torch.device:
     if expected_bytes is not None and (isinstance(expected_bytes, bool) or not isinstance(expected_bytes, int)
                                        or expected_bytes < 0):
         raise ValueError(f"KVStore: `expected_bytes` must be a byte count >= 0; got {expected_bytes!r}.")
-    return KVStore.check_config(config, device)
+    return _check_config(config, device)
 
 
 def _check_config(config, device) -> torch.device:

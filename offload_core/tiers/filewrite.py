@@ -6,8 +6,9 @@ checksum it beside the I/O, and the buffer is free again when both are done. So 
 its writes, the next layer's chunks queue behind this one's without the disk going idle, and the staging a
 write holds is a few chunks whatever the layer size. The file is created under a temp name with its whole
 size allocated first (a full disk fails right there, in `put`), its data apart from its header, so that the
-filesystem places the data's extents on the disk's own grain (`fileos.FileOS.reserve`); once its chunks are on disk, the write lane
-(one thread, first in first out) writes the header with the chunk digests and renames the file whole.
+filesystem places the data's extents on the disk's own grain (`fileos.FileOS.reserve`); once its chunks are
+on disk, the write lane (one thread, first in first out) writes the header with the chunk digests and renames
+the file whole.
 """
 
 from __future__ import annotations
