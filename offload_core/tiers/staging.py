@@ -3,7 +3,8 @@
 A buffer comes back with the fence of the last device copy out of it and is overwritten only after that copy
 has finished. A buffer that an abandoned (stuck) I/O request may still write into is never reused or freed:
 `quarantine` replaces it by an empty place, so the pool keeps its size and nothing reads memory the kernel
-may still be filling.
+may still be filling. Buffers the pool frees go to `hostmem.SPARES`, and a buffer it needs comes from there
+when one of that size waits: the next capture, or the next store, then writes into memory already touched.
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ class StagingPool:
             item[1].synchronize()  # the device copy out of this buffer has finished: safe to overwrite
             if item[0] is None or item[0].nbytes < nbytes:
                 if item[0] is not None:
-                    self._allocator.free(item[0])
+                    self._allocator.free(item[0], spare=True)
                 item[0] = None
-                item[0] = self._allocator.alloc(nbytes)
+                item[0] = self._allocator.alloc(nbytes, spare=True)
         except BaseException:
             self._free.put(item)  # a failed allocation must not shrink the pool (the next acquire would hang)
             raise
@@ -81,7 +82,7 @@ class StagingPool:
                 item[1].synchronize()
                 if item[0] is not None:
                     buffer, item[0], item[1] = item[0], None, DONE
-                    self._allocator.free(buffer)
+                    self._allocator.free(buffer, spare=True)
         finally:
             for item in idle:
                 self._free.put(item)
@@ -94,7 +95,7 @@ class StagingPool:
         for item in self._all:
             item[1].synchronize()
             if item[0] is not None and not abandoned_io:
-                self._allocator.free(item[0])
+                self._allocator.free(item[0], spare=True)
             item[0] = None
         if abandoned_io:
             if self._abandoned:

@@ -122,7 +122,7 @@ def test_ctrl_c_while_the_write_staging_is_freed_loses_no_buffer_place(mode, tmp
     writer = store._tiers["file"]._writer
     real_free = hostmem.HostAllocator.free
 
-    def free(self, buffer):
+    def free(self, buffer, spare=False):
         monkeypatch.setattr(hostmem.HostAllocator, "free", real_free)
         raise KeyboardInterrupt
     monkeypatch.setattr(hostmem.HostAllocator, "free", free)

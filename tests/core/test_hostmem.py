@@ -273,3 +273,95 @@ def test_small_pages_on_request_and_below_a_huge_page():
     finally:
         small.release()
         tiny.release()
+
+
+needs_spares = pytest.mark.skipif(hostmem._MADV_FREE is None or not hostmem.HUGE_PAGES,
+                                  reason="no lazy freeing (MADV_FREE) or huge pages here: nothing is kept")
+
+
+@needs_spares
+def test_spares_give_back_a_kept_buffer_of_the_same_size_with_no_page_lazily_freed():
+    """A kept buffer is lazily freed (the OS may take its pages); taken again, every page has been written so
+    the OS can no longer drop one that a device copy or an O_DIRECT read fills next."""
+    spares = hostmem.Spares(limit=16 << 20)
+    buf = hostmem.HostBuffer(4 << 20)
+    buf.tensor.fill_(3)
+    assert spares.keep(buf) and spares.nbytes == 4 << 20
+    assert _mapping_of(buf.tensor.data_ptr())["LazyFree"] > 0  # the OS may reclaim it now
+    assert spares.take(8 << 20) is None and spares.take((4 << 20) + 4096) is None  # exact size only
+    again = spares.take(4 << 20)
+    assert again is buf and spares.nbytes == 0
+    assert _mapping_of(again.tensor.data_ptr())["LazyFree"] == 0
+    again.release()
+
+
+@needs_spares
+def test_spares_keep_at_most_their_limit_dropping_the_oldest():
+    spares = hostmem.Spares(limit=8 << 20)
+    first, second, third = (hostmem.HostBuffer(4 << 20) for _ in range(3))
+    assert spares.keep(first) and spares.keep(second) and spares.keep(third)
+    assert first.tensor is None  # released: the OS has it back
+    assert spares.nbytes == 8 << 20
+    assert spares.take(4 << 20) is third  # the newest first
+    too_big = hostmem.HostBuffer(16 << 20)
+    assert not spares.keep(too_big)
+    spares.clear()
+    assert second.tensor is None and spares.nbytes == 0
+    for buf in (third, too_big):
+        buf.release()
+
+
+@needs_spares
+def test_spares_refuse_pinned_and_small_buffers():
+    spares = hostmem.Spares()
+    small = hostmem.HostBuffer(hostmem.HUGE_PAGE - 4096)
+    pinner = RecordingPinner()
+    alloc = HostAllocator(pin=True, budget=1 << 30, pin_fn=pinner.pin, unpin_fn=pinner.unpin)
+    pinned = alloc.alloc(4 << 20)
+    assert pinned.pinned
+    assert not spares.keep(small) and not spares.keep(pinned) and spares.nbytes == 0
+    small.release()
+    alloc.free(pinned)
+
+
+@needs_spares
+def test_a_pinned_staging_buffer_is_unpinned_before_it_is_kept(monkeypatch):
+    spares = hostmem.Spares()
+    monkeypatch.setattr(hostmem, "SPARES", spares)
+    pinner = RecordingPinner()
+    alloc = HostAllocator(pin=True, budget=1 << 30, pin_fn=pinner.pin, unpin_fn=pinner.unpin)
+    buf = alloc.alloc(4 << 20, spare=True)
+    alloc.free(buf, spare=True)
+    assert not pinner.pinned and spares.nbytes == 4 << 20 and alloc.pinned_bytes == 0
+    again = alloc.alloc(4 << 20, spare=True)
+    assert again is buf and again.pinned and pinner.pinned  # pinned afresh, within the budget
+    alloc.free(again)
+    assert spares.nbytes == 0 and again.tensor is None  # a plain free releases
+
+
+@needs_spares
+def test_a_second_store_stages_in_the_first_ones_buffers(monkeypatch, tmp_path):
+    """A fresh buffer costs a page fault per page at its first write; the next store's write staging comes
+    from the buffers the last one let go of."""
+    spares = hostmem.Spares()
+    monkeypatch.setattr(hostmem, "SPARES", spares)
+    made = []
+    real_init = hostmem.HostBuffer.__init__
+
+    def counting_init(self, nbytes, *args, **kwargs):
+        made.append(nbytes)
+        real_init(self, nbytes, *args, **kwargs)
+
+    monkeypatch.setattr(hostmem.HostBuffer, "__init__", counting_init)
+    k = torch.arange(3 << 20, dtype=torch.int32)  # a 24 MiB layer: staged in chunks of 2 MiB and up
+    for store_no in range(2):
+        store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
+        made.clear()
+        store.put(0, k, -k)
+        store.flush()
+        staged = [n for n in made if n >= hostmem.HUGE_PAGE]
+        assert torch.equal(store.get(0)[0], k)
+        store.close()
+        if store_no == 0:
+            assert staged and spares.nbytes > 0
+    assert staged == [], staged  # the second store made no new staging buffer
