@@ -284,12 +284,14 @@ def test_spares_give_back_a_kept_buffer_of_the_same_size_with_no_page_lazily_fre
     spares = hostmem.Spares(limit=16 << 20)
     buf = hostmem.HostBuffer(4 << 20)
     buf.tensor.fill_(3)
+    huge = _mapping_of(buf.tensor.data_ptr())["AnonHugePages"]
     assert spares.keep(buf) and spares.nbytes == 4 << 20
     assert _mapping_of(buf.tensor.data_ptr())["LazyFree"] > 0  # the OS may reclaim it now
     assert spares.take(8 << 20) is None and spares.take((4 << 20) + 4096) is None  # exact size only
     again = spares.take(4 << 20)
     assert again is buf and spares.nbytes == 0
-    assert _mapping_of(again.tensor.data_ptr())["LazyFree"] == 0
+    mapping = _mapping_of(again.tensor.data_ptr())
+    assert mapping["LazyFree"] == 0 and mapping["AnonHugePages"] == huge  # and its huge pages were not split
     again.release()
 
 
