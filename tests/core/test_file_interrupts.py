@@ -195,6 +195,70 @@ def test_ctrl_c_between_the_requests_of_a_read_loses_nothing(at, tmp_path, monke
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+@pytest.mark.parametrize("places", [1, 2], ids=["as-built", "staging-to-spare"])
+def test_the_next_read_into_a_slot_waits_for_the_requests_an_interrupted_read_queued(places, tmp_path, monkeypatch,
+                                                                                     wait_until):
+    """Ctrl-C while a read queues its requests into the slot (a slow disk holds the two already queued): the next
+    get, of another layer into the same slot, starts its reads only once they have run. They hold the read
+    staging of the header until then, and with a staging place to spare the slot's gate still holds the next
+    read back. Else they would land after its own reads were checked, and the layer served would change under
+    the caller."""
+    from offload_core.tiers import fileio, fileread
+    from offload_core.tiers.staging import StagingPool
+
+    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
+    data = layers(2, shape=(1, 4, 256, 64))  # 512 KiB a layer: 8 chunks
+    store = file_store("file_sync", tmp_path, data, put=data)
+    store.flush()
+    store.get(0)
+    tier = store._tiers["file"]
+    if places > 1:
+        tier._reader.staging.close(abandoned_io=False)
+        tier._reader.staging = StagingPool(tier._reader._ctx.allocator, places, "read")
+    fds = len(os.listdir("/proc/self/fd"))
+    disk, served = threading.Event(), threading.Event()
+    real_pread, real_submit, calls = fileread.pread_exact, iopool.IOPool.submit, []
+
+    def slow_pread(fd, view, off, path, head=None):
+        if path.endswith("layer-00001.safetensors"):
+            assert disk.wait(30), "the test never let the disk answer"
+        return real_pread(fd, view, off, path, head=head)
+
+    def submit(pool, fn, what, into=None, done=None):
+        if pool is tier._chunks and what.endswith("layer-00001.safetensors"):
+            calls.append(what)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+        return real_submit(pool, fn, what, into=into, done=done)
+
+    monkeypatch.setattr(fileread, "pread_exact", slow_pread)
+    monkeypatch.setattr(iopool.IOPool, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        store.get(1)
+    monkeypatch.setattr(iopool.IOPool, "submit", real_submit)
+
+    main = threading.get_ident()
+
+    def answer_once_waited_for():  # the disk answers once the next get waits for it (or has gone on without)
+        wait_until(lambda: _waiting_in(main, "_start_read") or served.is_set())
+        disk.set()
+
+    helper = threading.Thread(target=answer_once_waited_for)
+    helper.start()
+    try:
+        k, v = store.get(0)
+        served.set()
+    finally:
+        helper.join()
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)  # every request of the interrupted read has run
+    assert torch.equal(k, data[0][0]) and torch.equal(v, data[0][1])
+    k, v = store.get(1)
+    assert torch.equal(k, data[1][0]) and torch.equal(v, data[1][1])
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
 def _waiting_in(thread_id, function):
     """True while thread `thread_id` blocks in a `threading` wait called (at any depth) from `function`."""
     frame = sys._current_frames().get(thread_id)
