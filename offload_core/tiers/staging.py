@@ -43,9 +43,9 @@ class StagingPool:
         try:
             item[1].synchronize()  # the device copy out of this buffer has finished: safe to overwrite
             if item[0] is None or item[0].nbytes < nbytes:
-                if item[0] is not None:
-                    self._allocator.free(item[0], spare=True)
-                item[0] = None
+                old, item[0] = item[0], None  # the place lets go first: a buffer kept for reuse is never also ours
+                if old is not None:
+                    self._allocator.free(old, spare=True)
                 item[0] = self._allocator.alloc(nbytes, spare=True)
         except BaseException:
             self._free.put(item)  # a failed allocation must not shrink the pool (the next acquire would hang)
@@ -94,9 +94,9 @@ class StagingPool:
         """Frees every buffer; with `abandoned_io` the buffers a stuck request may still fill are left alone."""
         for item in self._all:
             item[1].synchronize()
-            if item[0] is not None and not abandoned_io:
-                self._allocator.free(item[0], spare=True)
-            item[0] = None
+            buffer, item[0] = item[0], None
+            if buffer is not None and not abandoned_io:
+                self._allocator.free(buffer, spare=True)
         if abandoned_io:
             if self._abandoned:
                 log.warning("KV offload: %d staging buffer(s) left to stuck I/O requests are not freed",

@@ -1,6 +1,7 @@
 """Host buffers: page-aligned, pinned lazily within the budget, with a visible fallback to pageable memory."""
 
 import logging
+import os
 
 import psutil
 import pytest
@@ -365,3 +366,62 @@ def test_a_second_store_stages_in_the_first_ones_buffers(monkeypatch, tmp_path):
         if store_no == 0:  # kept, and said: part of the RSS until the OS takes it
             assert staged and memory_snapshot("cpu")["process"]["spare_staging"] == spares.nbytes > 0
     assert staged == [], staged  # the second store made no new staging buffer
+
+
+@needs_spares
+def test_ctrl_c_as_a_staging_place_grows_never_leaves_its_old_buffer_in_two_places(monkeypatch):
+    """The place lets go of its old buffer before the buffer is kept for reuse: a Ctrl-C right after the keep
+    (a signal lands at any call) leaves the place empty, never holding a buffer another store may take."""
+    from offload_core.tiers.staging import StagingPool
+
+    spares = hostmem.Spares()
+    monkeypatch.setattr(hostmem, "SPARES", spares)
+    real_keep = hostmem.Spares.keep
+
+    def interrupted_keep(self, buf):
+        real_keep(self, buf)
+        raise KeyboardInterrupt
+    alloc = HostAllocator(pin=False, budget=0)
+    pool = StagingPool(alloc, 1, "read")
+    pool.release(pool.acquire(4 << 20))
+    monkeypatch.setattr(hostmem.Spares, "keep", interrupted_keep)
+    with pytest.raises(KeyboardInterrupt):
+        pool.acquire(8 << 20)  # grows: the 4 MiB buffer goes
+    monkeypatch.setattr(hostmem.Spares, "keep", real_keep)
+    kept = spares.take(4 << 20)
+    assert kept is not None and all(b is not kept for b in pool.buffers())
+    assert alloc.pageable_bytes == 0
+    item = pool.acquire(4 << 20)  # the place comes back, and gets a buffer of its own
+    assert item[0] is not kept
+    pool.release(item)
+    pool.close(abandoned_io=False)
+    kept.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="this system has no fork (Windows)")
+def test_a_child_never_waits_for_the_spares_lock_a_parents_thread_held_at_the_fork():
+    """A fork copies a held lock as held; the child (multiprocessing's default start on Linux) gets a new one,
+    so its first staging buffer or memory snapshot does not wait for ever."""
+    import signal
+    import threading
+
+    held, done = threading.Event(), threading.Event()
+
+    def busy():
+        with hostmem.SPARES._lock:
+            held.set()
+            done.wait(30)
+    worker = threading.Thread(target=busy)
+    worker.start()
+    held.wait(30)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(5)  # a hang fails the child instead of the whole run
+            memory_snapshot("cpu")
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        worker.join()
+    assert os.waitstatus_to_exitcode(status) == 0
