@@ -174,9 +174,11 @@ class FileTier(Tier):
         self._closed = True
         interrupt: Optional[BaseException] = None
         stuck: List[str] = []
+        stopped = False
         for _ in range(3):
             try:
                 stuck = self._stop_io()
+                stopped = True
                 break
             except KeyboardInterrupt as exc:
                 interrupt = exc
@@ -184,14 +186,18 @@ class FileTier(Tier):
         if stuck:
             log.error("KV offload: closing %s left %d I/O request(s) stuck in the kernel behind (%s); their threads "
                       "and buffers are abandoned.", self.directory, len(stuck), "; ".join(stuck[:4]))
+        elif not stopped:
+            log.warning("KV offload: closing %s was interrupted before its I/O had stopped; the buffers requests may "
+                        "still fill are left to the garbage collector.", self.directory)
+        abandoned = bool(stuck) or not stopped  # a request may still run: no buffer of this store is reused
         try:
-            self._reader.staging.close(abandoned_io=bool(stuck))
-            self._writer.staging.close(abandoned_io=bool(stuck))
+            self._reader.staging.close(abandoned_io=abandoned)
+            self._writer.staging.close(abandoned_io=abandoned)
         except KeyboardInterrupt as exc:
             interrupt = interrupt or exc
         finally:
             self._files.clear()
-            if not stuck:
+            if not abandoned:
                 self._host_slots.clear()  # the store drops its slots too; nothing reads into them any more
             try:
                 self._owner.delete()
