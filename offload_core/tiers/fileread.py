@@ -261,10 +261,14 @@ class Reader:
         return fence
 
     def _drop_read(self, fd, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
-        fd.close()
-        self.staging.release(item, fence)
-        if gate is not None:
-            gate.set_result(None)
+        try:
+            fd.close()
+        finally:  # a close that fails still gives the place back and lets the next load into the slot go on
+            try:
+                self.staging.release(item, fence)
+            finally:
+                if gate is not None:
+                    gate.set_result(None)
 
     def _abandon_opened(self, future: cf.Future) -> None:
         if future.cancelled() or future.exception() is not None:
