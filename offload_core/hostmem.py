@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from typing import Callable, List, Optional
 
@@ -159,6 +160,8 @@ class Spares:
 
 
 SPARES = Spares()
+if hasattr(os, "register_at_fork"):  # a child must not inherit the lock held by a parent's thread
+    os.register_at_fork(after_in_child=lambda: setattr(SPARES, "_lock", threading.Lock()))
 
 
 _HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
