@@ -259,6 +259,75 @@ def test_the_next_read_into_a_slot_waits_for_the_requests_an_interrupted_read_qu
     assert os.listdir(tmp_path) == []
 
 
+def test_a_close_interrupted_before_its_io_stopped_keeps_no_buffer_for_reuse(tmp_path, monkeypatch, wait_until):
+    """Three Ctrl-Cs while close() waits for its I/O threads (a slow disk: a read is inside the kernel): close goes
+    on, but no staging buffer goes to the spares the next store takes from, since the read may still fill it."""
+    from offload_core import hostmem
+    from offload_core.devices import DONE
+    from offload_core.tiers import fileread
+
+    spares = hostmem.Spares()
+    monkeypatch.setattr(hostmem, "SPARES", spares)
+    data = layers(1, shape=(1, 4, 1024, 256))  # 4 MiB a layer: its read staging is kept where it may be
+    store = file_store("file_async", tmp_path, data, put=[0])
+    store.flush()
+    tier = store._tiers["file"]
+    inside, disk = threading.Event(), threading.Event()
+    real_pread, real_shutdown = fileread.pread_exact, iopool.IOPool.shutdown
+
+    def slow_pread(fd, view, off, path, head=None):
+        inside.set()
+        assert disk.wait(30), "the test never let the disk answer"
+        return real_pread(fd, view, off, path, head=head)
+
+    def interrupted_shutdown(pool, timeout):
+        real_shutdown(pool, 0)
+        raise KeyboardInterrupt  # in the wait for the threads
+
+    monkeypatch.setattr(fileread, "pread_exact", slow_pread)
+    slot = torch.empty(tier._files[0].layout.data_bytes, dtype=torch.uint8)  # not the tier's: read via staging
+    tier._reader.load(tier._files[0], slot, DONE)
+    assert inside.wait(10)
+    spares.clear()  # what the capture left: only what close() keeps counts
+    monkeypatch.setattr(iopool.IOPool, "shutdown", interrupted_shutdown)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tier.close()
+        assert spares.nbytes == 0
+    finally:
+        monkeypatch.setattr(iopool.IOPool, "shutdown", real_shutdown)
+        disk.set()
+    store.close()
+
+
+def test_a_read_whose_descriptor_fails_to_close_still_frees_its_place_and_its_slot(tmp_path, monkeypatch):
+    """The cleanup after a read closes its descriptor, gives its staging place back and lets the next load into
+    the slot go on; a close that fails (EIO on a network filesystem) must not stop the other two."""
+    from offload_core.tiers import fileos
+
+    data = layers(2)
+    store = file_store("file_sync", tmp_path, data, put=data)
+    store.flush()
+    tier = store._tiers["file"]
+    real_close, failed = fileos.Handle.close, []
+
+    def failing_close(handle):
+        real_close(handle)
+        if not failed:
+            failed.append(handle)
+            raise OSError(5, "Input/output error")
+    monkeypatch.setattr(fileos.Handle, "close", failing_close)
+    with pytest.raises(OSError):
+        store.get(0)
+    staging = tier._reader.staging
+    assert staging._free.qsize() == len(staging._all)
+    assert all(gate.done() for gate in tier._reader.filling.values())
+    for key in (1, 0):
+        k, v = store.get(key)
+        assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+    store.close()
+
+
 def _waiting_in(thread_id, function):
     """True while thread `thread_id` blocks in a `threading` wait called (at any depth) from `function`."""
     frame = sys._current_frames().get(thread_id)
