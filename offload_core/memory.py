@@ -71,8 +71,9 @@ def memory_snapshot(device=None) -> dict:
     """A plain dict: {"v", "process": {...}, "device": {...}, "system": {...}}; `None` for what is unknown.
 
     process: rss; spare_staging, the file tiers' idle staging kept for the next store (part of rss, but the OS
-        takes it back whenever it needs memory: `hostmem.Spares`); and the torch allocator's figures on `device` (CUDA: device_allocated, device_reserved,
-        device_peak_allocated; MPS: mps_current_allocated, mps_driver_allocated).
+        takes it back whenever it needs memory: `hostmem.Spares`); and the torch allocator's figures on `device`
+        (CUDA: device_allocated, device_reserved, device_peak_allocated; MPS: mps_current_allocated,
+        mps_driver_allocated).
     device: type, name, total, free (CUDA, device-wide) or recommended_max (MPS), integrated.
     system: ram_total, ram_available, swap_used, swap_total, cgroup_limit, cgroup_usage.
     """

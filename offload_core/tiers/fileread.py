@@ -189,12 +189,8 @@ class Reader:
                 # Hands the GIL to the I/O thread just woken, which starts its read now instead of once every
                 # request is queued: file_sync's disk idled 0.93 instead of 1.07 ms per layer (docs/benchmark.md).
                 time.sleep(0)
-        except BaseException:  # the requests already queued may run: fd and buffer go once they have stopped,
-            gate: Optional[cf.Future] = None  # and the next load into the slot waits for them (see `_finish_read`)
-            if direct is not None and not self._lanes:
-                gate = cf.Future()
-                self.filling[direct.data_ptr()] = gate
-            when_done(futures, functools.partial(self._drop_read, fd, item, DONE, gate))
+        except BaseException:  # the requests already queued may run into the slot: they are waited for
+            self._drop_after(futures, fd, item, DONE, direct)
             raise
         return item, fd, futures
 
@@ -254,11 +250,18 @@ class Reader:
             raise
         finally:
             if item is not None:  # after an interrupt, requests may still run: clean up once they stop
-                gate: cf.Future = cf.Future()
-                if self._host_slot(slot) and not self._lanes:  # (file_async orders loads by their futures)
-                    self.filling[slot.data_ptr()] = gate  # the next load into this slot waits for them
-                when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
+                self._drop_after(futures, fd, item, fence, slot if self._host_slot(slot) else None)
         return fence
+
+    def _drop_after(self, futures: List[cf.Future], fd, item: list, fence: Fence,
+                    direct: Optional[torch.Tensor]) -> None:
+        """Closes `fd` and gives `item` back once none of `futures` runs any more; until then the next load into
+        `direct` (a host slot the requests fill) waits. Only in `file_sync`: `file_async` orders loads into a
+        slot by their lane futures."""
+        gate: cf.Future = cf.Future()
+        if direct is not None and not self._lanes:
+            self.filling[direct.data_ptr()] = gate
+        when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
 
     def _drop_read(self, fd, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
         try:
