@@ -229,8 +229,10 @@ class Reader:
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, opened) -> Fence:
         item, fd, futures = opened
         fence = DONE
+        running = True
         try:
             wait_all(futures, f"the read of {entry.path}")
+            running = False  # every request has ended: the descriptor and the place go back at once
             if self.cache_mode == "fadvise":
                 drop_pages(fd)
             if self._host_slot(slot):
@@ -249,7 +251,9 @@ class Reader:
             self._stuck.append(f"the read of {entry.path}")
             raise
         finally:
-            if item is not None:  # after an interrupt, requests may still run: clean up once they stop
+            if item is not None and not running:
+                self._drop_read(fd, item, fence)
+            elif item is not None:  # after an error or an interrupt, requests may still run: clean up once they stop
                 self._drop_after(futures, fd, item, fence, slot if self._host_slot(slot) else None)
         return fence
 

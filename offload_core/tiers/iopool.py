@@ -9,6 +9,7 @@ ones still running were doing, so the caller can abandon them (and the buffers t
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import queue
 import threading
 from concurrent.futures import Future
@@ -45,7 +46,8 @@ class IOStuckError(TimeoutError):
 class Then:
     """What a job returns to go on with `fn()` as the rest of the same job, on `pool`: the worker goes on to
     its next request at once (a chunk's checksum after its read or write runs on other threads, so hashing
-    never keeps a request from the disk). The job's future completes with `fn()`'s result."""
+    never keeps a request from the disk). A worker with no request waiting runs `fn()` itself. The job's
+    future completes with `fn()`'s result."""
 
     __slots__ = ("fn", "pool")
 
@@ -113,6 +115,11 @@ class IOPool:
             result = None
             try:
                 result = fn()
+                while isinstance(result, Then) and self._jobs.empty():
+                    # No request waits for this worker: it goes on with the rest itself instead of waking a
+                    # thread of the other pool (a wake-up costs 70 us on the 2-core machine; the last
+                    # checksums of a `file_sync` layer lie between its last read and the next layer's first).
+                    result = result.fn()
             except BaseException as exc:  # handed to whoever waits; the worker lives on
                 future.set_exception(exc)
             else:
@@ -157,6 +164,39 @@ def _now() -> float:
     return time.monotonic()
 
 
+class _Latch:
+    """Opens once every future of a batch is done, or as soon as one fails. Each future's result is taken by
+    the thread that finishes it, so the waiter wakes once and finds them collected: `concurrent.futures.wait`
+    instead installs and removes a waiter on every future, under all their locks, at each call (45 us for 20
+    futures on the 2-core machine, about three times that right after the wait, and a `file_sync` read runs
+    it on the way from one layer's last request to the next layer's first)."""
+
+    __slots__ = ("results", "failed", "opened", "_left", "_lock")
+
+    def __init__(self, futures: List[Future]):
+        self.results: list = [None] * len(futures)
+        self.failed = False
+        self.opened = threading.Event()
+        self._left = len(futures)
+        self._lock = threading.Lock()
+        if not futures:
+            self.opened.set()
+        for index, future in enumerate(futures):
+            future.add_done_callback(functools.partial(self._done, index))
+
+    def _done(self, index: int, future: Future) -> None:
+        try:
+            self.results[index] = future.result()
+            failed = False
+        except BaseException:  # its error, or its cancellation: the waiter reads them in order
+            failed = True
+        with self._lock:
+            self._left -= 1
+            self.failed = self.failed or failed
+            if failed or not self._left:
+                self.opened.set()
+
+
 def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = None) -> list:
     """Results of `futures` in order; the first error is raised only once none of them is still running.
 
@@ -167,8 +207,11 @@ def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = No
     futures = list(futures)
     limit = io_timeout() if timeout is None else timeout
     deadline = _now() + limit
-    done, pending = cf.wait(futures, timeout=limit, return_when=cf.FIRST_EXCEPTION)
-    error = next((f.exception() for f in futures if f in done and not f.cancelled() and f.exception()), None)
+    latch = _Latch(futures)
+    if latch.opened.wait(limit) and not latch.failed:
+        return latch.results
+    pending = [f for f in futures if not f.done()]  # a failure, or the time is up
+    error = next((f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()), None)
     if pending:
         if error is not None:
             for f in pending:

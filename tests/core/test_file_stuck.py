@@ -171,13 +171,21 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
 
 
 def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_until):
-    # The I/O thread hands the rest of a job (a chunk's checksum) to another pool and takes the next request;
-    # the job's future completes with the rest's result, or with an error if that pool shuts down first.
+    # With a request waiting, the I/O thread hands the rest of a job (a chunk's checksum) to another pool and
+    # takes that request; the job's future completes with the rest's result, or with an error if that pool
+    # shuts down first. (An I/O thread with nothing waiting runs the rest itself: tests/core/test_iopool.py.)
     io, hashes = iopool.IOPool(1, "test_io"), iopool.IOPool(1, "test_hash")
     gate = threading.Event()
+
+    def read_then(rest, queued: threading.Event):
+        assert queued.wait(5)  # the next request is queued before this one's read ends
+        return iopool.Then(rest, hashes)
+
     try:
-        first = io.submit(lambda: iopool.Then(lambda: (gate.wait(5), "checked")[1], hashes), "the first read")
+        queued = threading.Event()
+        first = io.submit(lambda: read_then(lambda: (gate.wait(5), "checked")[1], queued), "the first read")
         second = io.submit(lambda: "read", "the second read")
+        queued.set()
         assert second.result(timeout=5) == "read"  # the one I/O thread was free while the checksum waited
         assert not first.done()
         gate.set()
@@ -185,15 +193,17 @@ def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_un
         blocker, running = threading.Event(), threading.Event()
         hashes.submit(lambda: (running.set(), blocker.wait(5)), "a long checksum")
         assert running.wait(5)
-        third = io.submit(lambda: iopool.Then(lambda: "never", hashes), "the third read")
-        wait_until(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
-        hashes.shutdown(0.0)
-        with pytest.raises(RuntimeError, match="shut down before the third read finished"):
-            third.result(timeout=5)
-        blocker.set()
-        fourth = io.submit(lambda: iopool.Then(lambda: "never", hashes), "the fourth read")
-        with pytest.raises(RuntimeError, match="shut down"):
-            fourth.result(timeout=5)
+        for name in ("third", "fourth"):
+            queued = threading.Event()
+            job = io.submit(lambda: read_then(lambda: "never", queued), f"the {name} read")
+            io.submit(lambda: "read", "a read behind it")
+            queued.set()
+            if name == "third":
+                wait_until(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
+                hashes.shutdown(0.0)
+                blocker.set()
+            with pytest.raises(RuntimeError, match=f"shut down before the {name} read finished"):
+                job.result(timeout=5)
     finally:
         gate.set()
         io.shutdown(5)
