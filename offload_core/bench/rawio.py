@@ -4,7 +4,8 @@
   size, requests in flight (one thread each), the file's space `fallocate`d first or not; the destination is
   a ring of at least 4 requests of pre-touched memory in huge pages where the OS has them, as the tiers'
   buffers are (`hostmem.HostBuffer`; `small_pages` measures what 4 KiB pages cost instead). The best pattern
-  is the disk's limit.
+  is the disk's limit. A pattern may also be read verifying: each request's xxh3 taken by its thread as soon as it
+  lands, as the file tiers verify every chunk, which says what checking the bytes costs on this disk.
   Without `O_DIRECT` (macOS, some filesystems) the file is written, flushed and dropped from the page cache
   before each read, and the table says so.
 - RAM: one layer copied host to host (`Tensor.copy_`), best of a few.
@@ -14,17 +15,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Collection, Dict, List
 
 import torch
 
 from ..hostmem import HostBuffer
 from ..places import GiB
-from ..tiers.fileio import O_DIRECT, drop_pages
+from ..tiers.fileio import O_DIRECT, digest, drop_pages
 
 RING_CAP = 256 << 20  # the largest destination ring a pattern may use
 
@@ -78,11 +80,12 @@ def _run(pattern: Pattern, total: int, fn, ring: List[HostBuffer]) -> float:
     return total // pattern.request * pattern.request / GiB / seconds
 
 
-def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, object]:
-    """Write and read GiB/s of every pattern in `tried` over a file of `total` bytes, and the best of each."""
+def file_limits(directory: str, total: int, tried: List[Pattern], verified: Collection[str] = ()) -> Dict[str, object]:
+    """Write and read GiB/s of every pattern in `tried` over a file of `total` bytes, and the best of each; for
+    the labels in `verified`, the read again with every request's checksum taken (`verified_read_gib_s`)."""
     path = os.path.join(directory, f".kv_offload-raw-{os.getpid()}.bin")
     direct = bool(O_DIRECT)
-    write, read = {}, {}
+    write, read, checked = {}, {}, {}
     try:
         for pattern in tried:
             if os.path.exists(path):
@@ -102,15 +105,24 @@ def file_limits(directory: str, total: int, tried: List[Pattern]) -> Dict[str, o
             # cache below the OS (a virtual disk) serves a second pass faster.
             read[pattern.label] = max(_run(pattern, total, lambda off, buf: os.preadv(fd[0], [buf], off), ring)
                                       for _ in range(2))
+            if pattern.label in verified:
+                checked[pattern.label] = max(_run(pattern, total, functools.partial(_read_verified, fd[0]), ring)
+                                             for _ in range(2))
             os.close(fd[0])
             for buf in ring:
                 buf.release()
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    return {"o_direct": direct, "write_gib_s": write, "read_gib_s": read,
+    return {"o_direct": direct, "write_gib_s": write, "read_gib_s": read, "verified_read_gib_s": checked,
             "best_write_gib_s": max(write.values()), "best_read_gib_s": max(read.values()),
             "best_write_pattern": max(write, key=write.get), "best_read_pattern": max(read, key=read.get)}
+
+
+def _read_verified(fd: int, off: int, buf: memoryview) -> int:
+    """One request read and its checksum taken at once, by the thread that read it, as a file tier's I/O thread
+    does (the digest is thrown away: the cost is the point)."""
+    return digest(buf[:os.preadv(fd, [buf], off)])
 
 
 def small_pages(directory: str, total: int, sweep: Dict[str, object]) -> Dict[str, float]:

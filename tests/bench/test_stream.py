@@ -28,10 +28,13 @@ def test_stream_reports_every_mode_against_the_raw_limits(tmp_path, capsys):
         assert rows[mode]["get_vs_raw"] == pytest.approx(rows[mode]["get_gib_s"] / limits["limit_read_gib_s"])
         assert rows[mode]["put_vs_raw"] == pytest.approx(rows[mode]["put_gib_s"] / limits["limit_write_gib_s"])
         assert rows[mode]["get_vs_paired"] > 0 and rows[mode]["put_vs_paired"] > 0
-        assert all(r["paired_raw_read_gib_s"] > 0 for r in rows[mode]["rounds"])
+        assert all(r["paired_raw_read_gib_s"] > 0 and r["paired_raw_verified_read_gib_s"] > 0 for r in rows[mode]["rounds"])
+        assert rows[mode]["get_vs_paired_verified"] > 0
+        assert rows[mode]["get_vs_verified"] == pytest.approx(rows[mode]["get_gib_s"] / limits["limit_verified_read_gib_s"])
     assert 0 <= rows["file_async"]["exposed_s"] and rows["file_async"]["hidden"] <= 1
     assert limits["limit_passes"] == 3 * result["rounds"]  # raw passes around the two file modes in every round
     assert "get / raw read" in printed and "raw file limit" in printed and "file_async" in printed
+    assert "a raw reader that verifies what it reads" in printed and "of the verifying reader" in printed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stream.json"]  # the raw file and the stores are gone
 
 
@@ -81,7 +84,8 @@ def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, 
 def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept():
     def raw(w, r, passes):
         return {"file": {"write_gib_s": {1: w, 4: w + 0.5}, "read_gib_s": {1: r, 4: r - 0.5},
-                         "passes": [{"write": pw, "read": pr} for pw, pr in passes]}, "ram_gib_s": w}
+                         "passes": [{"write": pw, "read": pr, "verified_read": pr / 2} for pw, pr in passes]},
+                "ram_gib_s": w}
 
     def mode_row(put, get):
         return [{"mode": "file_async", "put_gib_s": put, "get_gib_s": get, "read_ms_per_layer": 1.0, "hidden": get / 10,
@@ -93,7 +97,8 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
               (raw(9.0, 9.0, [(2.2, 1.9), (0.8, 3.0)]), mode_row(1.1, 1.9)),
               (raw(1.2, 2.2, [(0.9, 4.0), (1.0, 1.5)]), mode_row(1.0, 2.0))]
     for (_, (row,)), (w, r) in zip(rounds, [(1.0, 2.0), (2.2, 1.9), (1.0, 4.0)]):
-        row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r)  # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5
+        # per-round ratios 0.9/0.5/1.0, 0.9/1.0/0.5; against the verifying reader (at half the read) twice those
+        row.update(paired_raw_write_gib_s=w, paired_raw_read_gib_s=r, paired_raw_verified_read_gib_s=r / 2)
     limits, rows = streamreport.combine(rounds, torch.device("cpu"))
     f = limits["file"]
     assert f["write_gib_s"] == {1: 1.2, 4: 1.7} and f["best_write_pattern"] == 4 and f["best_write_gib_s"] == 1.7
@@ -108,6 +113,23 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
     assert row["hidden"] == 0.19 and len(row["rounds"]) == 3
     assert row["put_vs_paired"] == 0.9 and row["get_vs_paired"] == 0.9
     assert row["put_vs_paired_range"] == pytest.approx([0.5, 1.0]) and row["get_vs_paired_range"] == [0.5, 1.0]
+    assert f["limit_verified_read_gib_s"] == 1.025 and f["limit_verified_read_range"] == [0.75, 2.0]
+    assert row["get_vs_paired_verified"] == 1.8 and row["get_vs_paired_verified_range"] == [1.0, 2.0]
+    assert row["get_vs_verified"] == pytest.approx(1.9 / 1.025)
+
+
+def test_the_verifying_reader_takes_a_checksum_of_every_request_it_reads(tmp_path, monkeypatch):
+    """The reference for the file tiers' checks: the same read, each request hashed by the thread that read it."""
+    from offload_core.bench import rawio
+
+    hashed = []
+    monkeypatch.setattr(rawio, "digest", lambda view: hashed.append(len(view)) or 0)
+    pattern = rawio.Pattern(1 << 20, 2)
+    plain = rawio.file_limits(str(tmp_path), 4 << 20, [pattern])
+    assert hashed == [] and plain["verified_read_gib_s"] == {}
+    got = rawio.file_limits(str(tmp_path), 4 << 20, [pattern], verified=[pattern.label])
+    assert hashed == [1 << 20] * 8  # 4 requests, in each of two passes, each hashed whole
+    assert got["verified_read_gib_s"][pattern.label] > 0 and list(tmp_path.iterdir()) == []
 
 
 def test_each_file_mode_is_bracketed_by_raw_passes_and_every_other_round_runs_backwards(monkeypatch):
@@ -163,6 +185,13 @@ def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
     steady = streamreport.table(_result([0.95, 1.05], [0.9, 1.05]))
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
     assert "| file_sync  | 4MiBx8 (probe)     |" in steady  # the pattern the file tier chose, and how
+    assert "verif" not in steady  # a result from before the verifying reader existed still prints
+    result = _result([0.95, 1.05], [0.9, 1.05])
+    result["limits"]["file"].update(limit_verified_read_gib_s=0.94, limit_verified_read_range=[0.9, 0.99])
+    result["rows"][0].update(get_vs_paired_verified=0.97, get_vs_paired_verified_range=[0.93, 1.02])
+    checked = streamreport.table(result)
+    assert "same pattern, in the same passes: 0.94 (0.90-0.99) GiB/s, 94% of the raw read" in checked
+    assert "get 96% (90%-100%), 97% of the verifying reader (93%-102%)" in checked
     noisy = streamreport.table(_result([0.9, 1.05], [0.7, 1.2]))
     assert "note: the disk's raw read throughput moved by more than 20%" in noisy
 
