@@ -102,8 +102,7 @@ class FileTier(Tier):
         """Frees a host slot made by `new_slot` now (the store parks between requests), unless a read may still
         fill it: one stuck in the kernel keeps its slot until close."""
         address = slot.data_ptr()
-        filling = self._reader.filling.get(address)
-        if filling is not None and not filling.done():
+        if self._reader.writing(address):
             return
         self._reader.filling.pop(address, None)
         buf = self._host_slots.pop(address, None)
@@ -177,6 +176,7 @@ class FileTier(Tier):
         stopped = False
         for _ in range(3):
             try:
+                self._reader.close()
                 stuck = self._stop_io()
                 stopped = True
                 break

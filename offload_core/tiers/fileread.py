@@ -66,8 +66,33 @@ class _Parts:
             self._next += 1
 
 
+class _Read:
+    """What one layer's read holds until it ends: its staging place, its open file and its queued requests.
+
+    The thread that starts the read fills it in as it takes each (the place through `acquire`'s `into`, the
+    requests through `submit`'s), so whoever ends the read finds everything taken so far, however far an
+    interrupt let the start get. `file_async` has two owners, the start and the finish jobs; the last of the
+    two to let go ends the read."""
+
+    __slots__ = ("held", "fd", "requests", "fence", "_owners", "_lock")
+
+    def __init__(self, owners: int = 1):
+        self.held: List[list] = []  # the staging place, once taken
+        self.fd = None  # the open layer file, once checked
+        self.requests: List[cf.Future] = []
+        self.fence: Optional[Fence] = None  # set once the read has served its layer (the device copy's fence)
+        self._owners = owners
+        self._lock = threading.Lock()
+
+    def let_go(self) -> bool:
+        """True for the call of the last owner: that one ends the read."""
+        with self._lock:
+            self._owners -= 1
+            return self._owners == 0
+
+
 class Reader:
-    """The read path of one file store: its read staging, and the last load queued into each host slot."""
+    """The read path of one file store: its read staging, and the requests of the last read into each host slot."""
 
     def __init__(self, ctx: TierContext, cache_mode: str, chunks: IOPool, hashes: IOPool, lanes: Dict[str, IOPool],
                  stuck: List[str], host_slots: Dict[int, HostBuffer]):
@@ -75,7 +100,14 @@ class Reader:
         self._chunks, self._hashes, self._lanes, self._stuck = chunks, hashes, lanes, stuck
         self._host_slots = host_slots  # page-aligned CPU slots the tier made, by address
         self.staging = StagingPool(ctx.allocator, max(ctx.depth, 0) + 1, "read")
-        self.filling: Dict[int, cf.Future] = {}  # host slot address -> the last load queued into it
+        # host slot address -> the requests of the last read into it, which fill it: however that read ended
+        # (served, failed, interrupted, stuck, never finished), the next read into the slot starts once they have.
+        self.filling: Dict[int, List[cf.Future]] = {}
+        self._read: Optional[_Read] = None  # `file_sync`: the last read, which its consumer's thread ends
+
+    def writing(self, address: int) -> bool:
+        """True while a request of a read may still write into the host slot at `address`."""
+        return not all(f.done() for f in self.filling.get(address, ()))
 
     def _host_slot(self, slot: torch.Tensor) -> bool:
         """True where the I/O threads may fill `slot` directly: host memory that no queued stream work can still
@@ -88,43 +120,60 @@ class Reader:
         # the side stream, ordered by fences.
         check_fits(slot.numel(), entry.layout, 0)  # before any read: a memoryview slice would come out shorter
         direct = slot if self._host_slot(slot) else None
-        # Loads into one slot never overlap: a later one starts filling it only once the earlier one is done.
-        previous = self.filling.get(slot.data_ptr()) if direct is not None else None
         if not self._lanes:
-            return Pending(self._finish_read(entry, slot, release, self._start_read(entry, direct, previous)))
-        started = self._lanes["read_start"].submit(functools.partial(self._start_read, entry, direct, previous),
-                                                   f"opening {entry.path}")
-
-        def finish() -> Fence:
+            # A Ctrl-C that lands on the cleanup line below keeps the last read from ending: it ends here.
+            self._end(self._read)
+            read = self._read = _Read()
             try:
-                opened = started.result(timeout=io_timeout())
-            except cf.TimeoutError:
-                if started.done():
-                    raise  # the start's own timeout, which says what it waited for
-                started.add_done_callback(self._abandon_opened)  # if it ever opens, give its buffer back
-                raise TimeoutError(f"KV offload: opening layer file {entry.path!r} for reading did not finish within "
-                                   f"{io_timeout():g} s; the disk is not answering.") from None
-            return self._finish_read(entry, slot, release, opened)
+                self._start_read(entry, direct, read)
+                read.fence = self._finish_read(entry, slot, release, read)
+            finally:
+                self._end(read)
+            return Pending(read.fence)
+        # Two owners, the start job and the finish job, each letting go once it is over (done, failed, cancelled
+        # by close()); one that is never queued lets go here. The read ends when both have.
+        read = _Read(owners=2)
+        queued: List[cf.Future] = []
+        let_go = functools.partial(self._let_go, read)
+        try:
+            self._lanes["read_start"].submit(functools.partial(self._start_read, entry, direct, read),
+                                             f"opening {entry.path}", into=queued, done=let_go)
+            started = queued[0]
 
-        finished = self._lanes["read_finish"].submit(finish, f"the read of {entry.path}")
+            def finish() -> Fence:
+                try:
+                    started.result(timeout=io_timeout())
+                except cf.TimeoutError:
+                    if started.done():
+                        raise  # the start's own timeout, which says what it waited for
+                    raise TimeoutError(f"KV offload: opening layer file {entry.path!r} for reading did not finish "
+                                       f"within {io_timeout():g} s; the disk is not answering.") from None
+                read.fence = self._finish_read(entry, slot, release, read)
+                return read.fence
+
+            self._lanes["read_finish"].submit(finish, f"the read of {entry.path}", into=queued, done=let_go)
+        finally:
+            for _ in range(2 - len(queued)):  # the jobs an interrupt or a shut pool kept from being queued
+                self._let_go(read)
+        return Pending(future=queued[1])
+
+    def _let_go(self, read: _Read, *_future) -> None:
+        if read.let_go():
+            self._end(read)
+
+    def _start_read(self, entry: LayerFile, direct: Optional[torch.Tensor], read: _Read) -> None:
+        """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given), taking
+        the staging place, the descriptor and the requests into `read`."""
         if direct is not None:
-            self.filling[slot.data_ptr()] = finished
-        # Cancelled by close() after its start ran: the opened file and the buffer go back here.
-        finished.add_done_callback(lambda f: started.add_done_callback(self._abandon_opened) if f.cancelled() else None)
-        return Pending(future=finished)
-
-    def _start_read(self, entry: LayerFile, direct: Optional[torch.Tensor] = None,
-                    previous: Optional[cf.Future] = None):
-        """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given);
-        returns (staging item, fd, futures)."""
-        if previous is not None:
-            # Only its end matters here, not how it ended: a failed earlier load no longer writes into the slot,
-            # and its error is its own reader's. `wait` never raises that error, so a Ctrl-C that arrives while
-            # this thread waits (`file_sync` runs it on the consumer's thread) is the only thing it can raise;
-            # nothing is taken yet, so it propagates as it is.
-            if not cf.wait([previous], timeout=io_timeout()).done:
+            # Only their end matters here, not how they ended: the requests of the last read into the slot (an
+            # interrupted, failed or stuck one may have left some running) must not land over this read's.
+            # `wait` never raises their errors, so a Ctrl-C that arrives while this thread waits (`file_sync`
+            # runs it on the consumer's thread) is the only thing it can raise; nothing is taken yet.
+            earlier = self.filling.get(direct.data_ptr(), ())
+            if not all(f.done() for f in earlier) and cf.wait(earlier, timeout=io_timeout()).not_done:
                 raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
                                    "read into the same buffer; the disk is not answering.")
+            self.filling[direct.data_ptr()] = read.requests  # before the first is queued
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
@@ -133,16 +182,15 @@ class Reader:
                     raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
                 raise TimeoutError(f"KV offload: waited {io_timeout():g} s for the write of {entry.path!r} to finish "
                                    "before reading it back; the disk is not answering.") from None
+            except (KeyboardInterrupt, SystemExit):
+                raise  # this thread's own Ctrl-C while it waits (a write's thread never gets one)
             except BaseException as exc:
                 raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
         base = len(entry.header)
         target = self._host_slots.get(direct.data_ptr()) if direct is not None else None
-        item = self.staging.acquire(base if target is not None else entry.total)  # the slot takes the data
-        try:
-            fd = open_checked(entry.path, entry.total, self.cache_mode)
-        except BaseException:
-            self.staging.release(item)
-            raise
+        self.staging.acquire(base if target is not None else entry.total, into=read.held)  # the slot takes the data
+        item = read.held[0]
+        read.fd = fd = open_checked(entry.path, entry.total, self.cache_mode)
         mem = item[0].memory()
         into = target.memory() if target is not None else None
 
@@ -182,17 +230,11 @@ class Reader:
         jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes, entry.chunk), entry.digests)]
         jobs = jobs or [(base, 0, None)]  # an empty layer: its header is still read and compared
         what = f"the read of {entry.path}"
-        futures: List[cf.Future] = []
-        try:
-            for job, part in self._requests(jobs):
-                self._chunks.submit(functools.partial(read_chunk, *job, part), what, into=futures)
-                # Hands the GIL to the I/O thread just woken, which starts its read now instead of once every
-                # request is queued: file_sync's disk idled 0.93 instead of 1.07 ms per layer (docs/benchmark.md).
-                time.sleep(0)
-        except BaseException:  # the requests already queued may run into the slot: they are waited for
-            self._drop_after(futures, fd, item, DONE, direct)
-            raise
-        return item, fd, futures
+        for job, part in self._requests(jobs):
+            self._chunks.submit(functools.partial(read_chunk, *job, part), what, into=read.requests)
+            # Hands the GIL to the I/O thread just woken, which starts its read now instead of once every
+            # request is queued: file_sync's disk idled 0.93 instead of 1.07 ms per layer (docs/benchmark.md).
+            time.sleep(0)
 
     def _requests(self, jobs: list) -> list:
         """(chunk job, part) in the order they are queued: whole chunks in file order, then the last wave's
@@ -226,59 +268,50 @@ class Reader:
         parts = _Parts(list(starts), hashing)
         return [(start, min(part, n - start), parts) for start in starts]
 
-    def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, opened) -> Fence:
-        item, fd, futures = opened
-        fence = DONE
-        running = True
+    def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, read: _Read) -> Fence:
+        """Waits for `read`'s requests and, into a device slot, copies the layer there; the fence of that copy."""
         try:
-            wait_all(futures, f"the read of {entry.path}")
-            running = False  # every request has ended: the descriptor and the place go back at once
-            if self.cache_mode == "fadvise":
-                drop_pages(fd)
-            if self._host_slot(slot):
-                return fence  # the I/O threads filled the slot chunk by chunk
-            streams = self._ctx.streams
-            side = streams.side
-            with streams.on_side():
-                release.make_wait(side)
-                with streams.timed("transfer", side):
-                    data = item[0].tensor[len(entry.header):entry.total]
-                    streams.copy(slot[:entry.layout.data_bytes], data, non_blocking=item[0].pinned and side is not None)
-                fence = streams.record(side)
+            wait_all(read.requests, f"the read of {entry.path}")
         except IOStuckError:
-            self.staging.quarantine(item)  # a request may still be inside preadv: never reuse buffer or descriptor
-            item = None
+            # A request may still be inside preadv: its staging buffer is never reused (the pool gets an empty
+            # place instead); the descriptor closes and the slot takes the next read once the request ends.
+            self.staging.quarantine(read.held.pop())
             self._stuck.append(f"the read of {entry.path}")
             raise
-        finally:
-            if item is not None and not running:
-                self._drop_read(fd, item, fence)
-            elif item is not None:  # after an error or an interrupt, requests may still run: clean up once they stop
-                self._drop_after(futures, fd, item, fence, slot if self._host_slot(slot) else None)
-        return fence
+        if self.cache_mode == "fadvise":
+            drop_pages(read.fd)
+        if self._host_slot(slot):
+            return DONE  # the I/O threads filled the slot chunk by chunk
+        streams = self._ctx.streams
+        side = streams.side
+        item = read.held[0]
+        with streams.on_side():
+            release.make_wait(side)
+            with streams.timed("transfer", side):
+                data = item[0].tensor[len(entry.header):entry.total]
+                streams.copy(slot[:entry.layout.data_bytes], data, non_blocking=item[0].pinned and side is not None)
+            return streams.record(side)
 
-    def _drop_after(self, futures: List[cf.Future], fd, item: list, fence: Fence,
-                    direct: Optional[torch.Tensor]) -> None:
-        """Closes `fd` and gives `item` back once none of `futures` runs any more; until then the next load into
-        `direct` (a host slot the requests fill) waits. Only in `file_sync`: `file_async` orders loads into a
-        slot by their lane futures."""
-        gate: cf.Future = cf.Future()
-        if direct is not None and not self._lanes:
-            self.filling[direct.data_ptr()] = gate
-        when_done(futures, functools.partial(self._drop_read, fd, item, fence, gate))
-
-    def _drop_read(self, fd, item: list, fence: Fence = DONE, gate: Optional[cf.Future] = None) -> None:
-        try:
-            fd.close()
-        finally:  # a close that fails still gives the place back and lets the next load into the slot go on
-            try:
-                self.staging.release(item, fence)
-            finally:
-                if gate is not None:
-                    gate.set_result(None)
-
-    def _abandon_opened(self, future: cf.Future) -> None:
-        if future.cancelled() or future.exception() is not None:
+    def _end(self, read: Optional[_Read]) -> None:
+        """Closes `read`'s file and gives its staging place back: at once where none of its requests runs any
+        more, else (after an error, an interrupt or a stuck request) once none does; queued ones never start.
+        Once only: a second call finds nothing left to give back."""
+        if read is None:
             return
-        item, fd, futures = future.result()
-        when_done(futures, functools.partial(self._drop_read, fd, item))
+        fd, item, read.fd, read.held = read.fd, read.held[0] if read.held else None, None, []
+        if read.fence is not None:  # served: every request has ended
+            self._drop_read(fd, item, read.fence)
+        else:
+            when_done(read.requests, functools.partial(self._drop_read, fd, item))
+
+    def close(self) -> None:
+        """Ends a read that an interrupt kept from ending (`file_sync`), before the tier stops its I/O."""
+        self._end(self._read)
+
+    def _drop_read(self, fd, item: Optional[list], fence: Fence = DONE) -> None:
+        try:
+            if fd is not None:
+                fd.close()
+        finally:  # a close that fails still gives the place back
+            if item is not None:
+                self.staging.release(item, fence)

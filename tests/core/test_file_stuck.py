@@ -208,3 +208,77 @@ def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_un
         gate.set()
         io.shutdown(5)
         hashes.shutdown(5)
+
+
+class LateReads:
+    """Stand-in for a slow disk that answers after the timeout: preadv of one file waits until released, then
+    reads for real, into whatever memory the request was given."""
+
+    def __init__(self, name):
+        self.name, self.real = name, os.preadv
+        self.release, self.entered, self.left = threading.Event(), threading.Event(), threading.Event()
+
+    def __call__(self, fd, buffers, offset, *args):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.endswith(self.name):
+            self.entered.set()
+            self.release.wait(60)
+            try:
+                return self.real(fd, buffers, offset, *args)
+            finally:
+                self.left.set()
+        return self.real(fd, buffers, offset, *args)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a read is for")
+@pytest.mark.parametrize("mode", MODES)
+def test_a_read_that_timed_out_never_lands_in_the_slot_the_next_read_serves(mode, tmp_path, monkeypatch, wait_until):
+    """A read of layer 2 into a host slot times out while its requests are still in the disk; they come back
+    later and write where they were told to. The next read into that slot (layer 1) must start only once they
+    have ended, else they land over the layer it serves. Their descriptor closes once they end."""
+    from offload_core.devices import DONE
+    from test_file_interrupts import _waiting_in
+
+    data = layers(3)
+    store = file_store(mode, tmp_path, data, put=range(3))
+    store.flush()
+    tier = store._tiers["file"]
+    entries, nbytes = tier._files, tier._files[1].layout.data_bytes
+    slot = tier.new_slot(nbytes, tier._ctx.streams)
+    tier._reader.load(entries[1], slot, DONE).wait(None)
+    layer1 = slot[:nbytes].clone()
+    tier._reader.load(entries[0], slot, DONE).wait(None)
+    fds = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.5)
+    late = LateReads("layer-00002.safetensors")
+    monkeypatch.setattr(os, "preadv", late)
+    try:
+        with pytest.raises(iopool.IOStuckError):
+            tier._reader.load(entries[2], slot, DONE).wait(None)
+        assert late.entered.is_set() and not late.left.is_set()
+        monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 30.0)  # the next read waits for the late requests this long
+        waiter = threading.get_ident() if mode == "file_sync" else None
+        served = threading.Event()
+
+        def answer_once_waited_for():  # the disk answers once the next read waits for it (or went on without)
+            wait_until(lambda: served.is_set() or (_waiting_in(waiter, "_start_read") if waiter else
+                                                   any(_waiting_in(t.ident, "_start_read") for t in threading.enumerate())))
+            late.release.set()
+
+        helper = threading.Thread(target=answer_once_waited_for)
+        helper.start()
+        try:
+            tier._reader.load(entries[1], slot, DONE).wait(None)
+            served.set()
+        finally:
+            helper.join()
+        wait_until(late.left.is_set)
+        wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)  # the late read's descriptor, once it ended
+        assert torch.equal(slot[:nbytes], layer1)
+    finally:
+        late.release.set()
+    store.close()
+    assert os.listdir(tmp_path) == []
