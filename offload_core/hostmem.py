@@ -62,7 +62,9 @@ class HostBuffer:
         length = max(round_up(nbytes, PAGE), PAGE)
         huge = huge and HUGE_PAGES and length >= HUGE_PAGE
         self._map = mmap.mmap(-1, length + (HUGE_PAGE if huge else 0), **_PRIVATE)
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
+        # Through a memoryview, which the tensor's storage keeps: while any tensor of the buffer lives (a view a
+        # caller still holds), `release` cannot unmap the memory under it; the mapping goes with the last one.
+        whole = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE if huge else 0
         try:
             if huge:  # whole huge pages inside the buffer; the rest (the buffer's tail) never gets one
@@ -93,8 +95,8 @@ class HostBuffer:
         self.tensor = None
         try:
             self._map.close()
-        except BufferError:  # a view of it is still alive somewhere; the OS gets it back when that dies
-            log.debug("host buffer still referenced at release; left to the garbage collector")
+        except BufferError:  # a tensor or view of it is still alive; the mapping is unmapped when the last dies
+            log.debug("host buffer still referenced at release; unmapped once the last view of it is gone")
 
 
 SPARE_BYTES = 64 << 20  # idle staging kept for reuse, at most: a file tier's write staging (48 MiB) and more

@@ -257,11 +257,13 @@ class SlotRing:
         for slot in self.slots:
             slot.pending.settle()
         self._streams.drain()
-        for slot in self.slots:
+        # The ring lets go of the slots before any is freed: a Ctrl-C among the frees leaves it with new empty
+        # slots, never with one whose memory is gone (the rest stay with the tier that made them until it closes).
+        old, self.slots = self.slots, [Slot() for _ in self.slots]
+        for slot in old:
             for buffer in (slot.buffer, slot.coded):
                 for tier in (list(self._tiers.values()) if buffer is not None else ()):
                     tier.release_slot(buffer)
-        self.slots = [Slot() for _ in self.slots]
 
     def drop(self) -> None:
         """After close: no copy into a slot can be in flight any more."""
