@@ -108,14 +108,16 @@ class FileOS:
         return ["buffered"]
 
     def open(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> "Handle":
-        fd = self.open_fd(path, flags, mode, cache_mode)
-        try:
+        fd = -1
+        try:  # the open inside: Ctrl-C on this line itself would otherwise come between the open and its cleanup
+            fd = self.open_fd(path, flags, mode, cache_mode)
             if cache_mode == "f_nocache":
                 self.fcntl.fcntl(fd, F_NOCACHE, 1)
-        except BaseException:
-            self.os.close(fd)
+            return Handle(self, fd, path, flags, cache_mode)
+        except BaseException:  # an interrupt too: the descriptor is nobody's yet
+            if fd >= 0:
+                self.os.close(fd)
             raise
-        return Handle(self, fd, path, flags, cache_mode)
 
     def open_fd(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> int:
         """A descriptor of `path`; with `no_buffering` (Windows) through `CreateFileW`, since the CRT's open
@@ -227,6 +229,8 @@ class Handle:
     it only once no request uses the handle any more.
     """
 
+    fd = -1  # once closed
+
     def __init__(self, fs: FileOS, fd: int, path: str, flags: int, cache_mode: str = "off"):
         self.fs, self.fd, self.path, self._cache_mode = fs, fd, path, cache_mode
         self._flags = flags & ~(os.O_CREAT | os.O_EXCL | getattr(os, "O_TRUNC", 0))
@@ -272,12 +276,13 @@ class Handle:
         return done
 
     def close(self) -> None:
+        """Closes every descriptor. Each is forgotten and closed in one line (Ctrl-C comes between lines), so a
+        second call after an interrupted one closes the rest, and never one twice (its number may be reused)."""
         with self._lock:
-            fds, self._own = [self.fd, *self._own.values()], {}
-        self.fd = -1
-        for fd in fds:
-            if fd >= 0:
-                self.fs.os.close(fd)
+            while self._own:
+                self.fs.os.close(self._own.popitem()[1])
+            if "fd" in self.__dict__:  # once popped, `fd` reads the class's -1
+                self.fs.os.close(self.__dict__.pop("fd"))
 
 
 def _readinto(o, fd: int, view: memoryview) -> int:

@@ -29,25 +29,26 @@ def reserve(path: str, extents: List[Tuple[int, int]], cache_mode: str) -> Handl
     """
     fs = fileos.current()
     length = sum(n for _, n in extents)
-    try:
-        f = fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                    cache_mode="off" if cache_mode in fileos.DIRECT_MODES else cache_mode)
-    except OSError as exc:
-        raise write_error(path, length, exc) from None
-    try:
-        fs.reserve(f.fd, extents)
+    handles: List[Handle] = []  # what is open of the file, the one returned last
+    try:  # the open inside: Ctrl-C on this line itself would otherwise come between the open and its cleanup
+        handles.append(fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                               cache_mode="off" if cache_mode in fileos.DIRECT_MODES else cache_mode))
+        fs.reserve(handles[0].fd, extents)
         if cache_mode == "o_direct":
-            fs.fcntl.fcntl(f.fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(f.fd, fs.fcntl.F_GETFL) | fs.o_direct)
+            fd = handles[0].fd
+            fs.fcntl.fcntl(fd, fs.fcntl.F_SETFL, fs.fcntl.fcntl(fd, fs.fcntl.F_GETFL) | fs.o_direct)
         elif cache_mode == "no_buffering":
-            f, buffered = fs.open(path, os.O_WRONLY, cache_mode="no_buffering"), f
-            buffered.close()
+            handles.append(fs.open(path, os.O_WRONLY, cache_mode="no_buffering"))
+            handles[0].close()
+        return handles[-1]
     except BaseException as exc:  # an interrupt too: no descriptor or temp file may outlive a failed reserve
-        f.close()
-        discard(path)
+        for handle in handles:
+            handle.close()
+        if handles or not isinstance(exc, OSError):  # made (O_EXCL: the name is ours), or maybe made when interrupted
+            discard(path)
         if isinstance(exc, OSError):
             raise write_error(path, length, exc) from None
         raise
-    return f
 
 
 def write_error(path: str, length: int, exc: OSError) -> KVWriteError:

@@ -64,6 +64,7 @@ class _Write:
     file: Optional[Handle] = None  # open from its reserve until its finish or cleanup closes it
     chunks: List[cf.Future] = field(default_factory=list)
     lane: List[cf.Future] = field(default_factory=list)  # the finish, queued on the write lane
+    counted: bool = False  # among the writer's layers being written (`Writer._count`)
     _claimed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -157,7 +158,7 @@ class Writer:
         entry = LayerFile(path, layer_header(key, layout, [0] * len(pieces), chunk), layout, chunk)
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            self._count(+1)
+            self._count(job, True)
             job.file = reserve(job.tmp, entry.extents, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
             self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
@@ -219,9 +220,13 @@ class Writer:
         if future.cancelled():  # by close(): the finish never ran, so its cleanup happens here
             self._drop_write(job)
 
-    def _count(self, change: int) -> None:
+    def _count(self, job: "_Write", writing: bool) -> None:
+        """Counts `job` among the layers being written, or no more; once each way, whatever the calls' order (a
+        Ctrl-C before the count is taken must not make the cleanup's uncount leave the count at -1, where the
+        staging would never be freed)."""
         with self._count_lock:
-            self._writing += change
+            if job.counted != writing:  # the mark and the count change in one line: Ctrl-C comes between lines
+                job.counted, self._writing = writing, self._writing + (1 if writing else -1)
 
     def _finish_write(self, key, entry: LayerFile, job: "_Write") -> None:
         if not job.claim():
@@ -253,16 +258,18 @@ class Writer:
         finally:
             if head is not None:
                 head.release()
-            self._count(-1)  # last: a load that sees 0 may free the staging
+            self._count(job, False)  # last: a load that sees 0 may free the staging
 
     def _drop_write(self, job: "_Write") -> None:
         """Cleanup of a write whose finish never ran: once none of its chunk requests runs any more."""
         if job.claim():
-            self._count(-1)
+            self._count(job, False)
             when_done(job.chunks, functools.partial(self._release_write, job))
 
     def _release_write(self, job: "_Write") -> None:
-        if job.file is not None:
-            f, job.file = job.file, None
-            f.close()  # before the delete, which Windows refuses for an open file
-            discard(job.tmp)
+        f, job.file = job.file, None
+        try:
+            if f is not None:
+                f.close()  # before the delete, which Windows refuses for an open file
+        finally:
+            discard(job.tmp)  # also one whose reserve an interrupt stopped after the file was made
