@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import stat
 import tempfile
 import time
@@ -162,6 +163,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _make_dir(parent: str, prefix: str, names: List[str]) -> str:
+    """A new private directory `prefix<random>` in `parent`, as `tempfile.mkdtemp` makes one, but with its name in
+    `names` before it exists: an interrupt inside leaves no directory the caller's cleanup does not know of."""
+    while True:
+        names.append(os.path.join(parent, prefix + secrets.token_hex(6)))
+        try:
+            os.mkdir(names[-1], 0o700)
+            return names[-1]
+        except FileExistsError:
+            names.pop()  # another one's
+
+
+def _remove_empty(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass  # never made, or not empty: not ours to remove
+
+
 class OwnedDir:
     """A fresh private directory under `parent`, locked for as long as this object is open."""
 
@@ -171,9 +191,9 @@ class OwnedDir:
         reclaim(parent, prefix)
         staged = fs.renames_open
         self._fd: Optional[int] = None
-        made = None
+        names: List[str] = []  # the directory's name, taken before it is made
         try:
-            made = tempfile.mkdtemp(prefix=_staging_prefix(prefix) if staged else prefix, dir=parent)
+            made = _make_dir(parent, _staging_prefix(prefix) if staged else prefix, names)
             self._fd = fs.os.open(os.path.join(made, LOCK_NAME), os.O_RDWR | os.O_CREAT | fs.open_flags, 0o600)
             if not self._lock(fs, bounded=not staged):  # e.g. a network filesystem without locks
                 log.warning("KV offload: cannot lock a cache directory in %s; if this process dies, its cache files "
@@ -185,9 +205,13 @@ class OwnedDir:
                 self.path = os.path.join(parent, prefix + os.path.basename(made)[len(_staging_prefix(prefix)):])
                 fs.os.rename(made, self.path)  # a live directory is never empty, so this cannot replace one
         except BaseException:
+            locked = self._fd is not None  # its lock file made: what is in it is ours
             self._unlock()
-            if made is not None:
-                remove_tree(made)
+            for made in names:
+                if locked:
+                    remove_tree(made)
+                else:  # an interrupt inside the make: only an empty directory (never a live one, which holds a lock)
+                    _remove_empty(made)
             raise
 
     def _lock(self, fs, bounded: bool) -> bool:

@@ -64,9 +64,15 @@ class IOPool:
         self._running: Dict[threading.Thread, str] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._taken: list = []  # jobs a shutdown took out of the queue and has not ended yet
+        self._threads: List[threading.Thread] = []
+        try:  # a pool that Ctrl-C stopped half made stops the threads it started (nobody else holds it to)
+            for i in range(workers):
+                self._threads.append(threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True))
+                self._threads[-1].start()
+        except BaseException:
+            self.shutdown(0.0)
+            raise
 
     @property
     def workers(self) -> int:
@@ -135,21 +141,25 @@ class IOPool:
     def shutdown(self, timeout: float) -> List[str]:
         """Cancels queued jobs and waits up to `timeout` s for running ones; returns what is still running."""
         with self._lock:
-            first = not self._closed
             self._closed = True
-        if first:
-            while True:
-                try:
-                    item = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None and not item[0].cancel():  # the rest of a started job: it ends here
-                    item[0].set_exception(_shut(self.name, item[2]))
-            for _ in self._threads:
-                self._jobs.put(None)
+        # Every call, whole: a call that Ctrl-C stopped may have queued some of the stops, or none. A stop taken out
+        # here is queued again below; one more than the threads left is never taken, which harms nothing.
+        while True:
+            try:
+                self._taken.append(self._jobs.get_nowait())  # one line: a job out of the queue is never lost
+            except queue.Empty:
+                break
+        while self._taken:
+            item = self._taken[0]
+            if item is not None and not item[0].cancel() and not item[0].done():  # a started job's rest ends here
+                item[0].set_exception(_shut(self.name, item[2]))
+            del self._taken[0]
+        for _ in self._threads:  # one each, started or not (one whose start was interrupted may run yet)
+            self._jobs.put(None)
         deadline = _now() + timeout
         for thread in self._threads:
-            thread.join(max(0.0, deadline - _now()))
+            if thread.ident is not None:  # started (a Ctrl-C may have stopped the pool's making before a start)
+                thread.join(max(0.0, deadline - _now()))
         with self._lock:
             return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
 

@@ -1,5 +1,6 @@
 """The I/O pools' own contract: where the rest of a job runs, and `wait_all`'s results, errors and bound."""
 
+import os
 import threading
 
 import pytest
@@ -88,3 +89,48 @@ def test_wait_all_names_the_requests_still_running_when_its_bound_passes(pools):
         assert queued.cancelled()
     finally:
         release.set()
+
+
+def _threads_named(prefix):
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+def test_ctrl_c_at_every_line_of_making_a_pool_leaves_no_thread(wait_until):
+    # A pool that Ctrl-C stops half made is nobody's to shut down: it stops the threads it started itself,
+    # also when the interrupt comes inside a thread's start (after the thread runs, before start returns). The
+    # system's own count: a thread just started is not yet in `threading.enumerate()`'s alive ones.
+    from interrupt_lines import ctrl_c_at, lines_of
+
+    lines = [(fn, line) for fn in (iopool.IOPool.__init__, threading.Thread.start) for line in lines_of(fn)]
+    interrupted, before = 0, len(os.listdir("/proc/self/task"))
+    for function, line in lines:
+        with ctrl_c_at(function, line) as fired:
+            try:
+                iopool.IOPool(3, "test_made").shutdown(5)
+            except KeyboardInterrupt:
+                pass
+        interrupted += bool(fired)
+        wait_until(lambda: len(os.listdir("/proc/self/task")) <= before)
+    assert interrupted >= 8
+
+
+def test_a_shutdown_stopped_by_ctrl_c_at_any_line_stops_every_thread_when_called_again(wait_until):
+    from interrupt_lines import ctrl_c_at, lines_of
+
+    interrupted = 0
+    for line in lines_of(iopool.IOPool.shutdown):
+        pool, gate = iopool.IOPool(2, "test_shut"), threading.Event()
+        running = [pool.submit(gate.wait, "a running job") for _ in range(2)]
+        queued = pool.submit(lambda: None, "a queued job")
+        with ctrl_c_at(iopool.IOPool.shutdown, line) as fired:
+            try:
+                pool.shutdown(0.0)
+            except KeyboardInterrupt:
+                pass
+        interrupted += bool(fired)
+        gate.set()
+        assert pool.shutdown(5) == []
+        assert not _threads_named("test_shut"), line
+        assert all(f.done() for f in running) and queued.cancelled(), line
+    assert interrupted >= 8
