@@ -58,10 +58,8 @@ class StuckReads:
     """Stand-in for a read stuck in the kernel (a dead NFS server): preadv of one file blocks until released."""
 
     def __init__(self, name):
-        self.name = name
-        self.release = threading.Event()
-        self.entered = threading.Event()
-        self.real = os.preadv
+        self.name, self.real = name, os.preadv
+        self.release, self.entered, self.left = threading.Event(), threading.Event(), threading.Event()
 
     def __call__(self, fd, buffers, offset, *args):
         try:
@@ -71,8 +69,11 @@ class StuckReads:
         if target.endswith(self.name):
             self.entered.set()
             self.release.wait(60)
-            raise OSError(5, "Input/output error")
+            return self.answer(fd, buffers, offset, *args)
         return self.real(fd, buffers, offset, *args)
+
+    def answer(self, fd, buffers, offset, *args):
+        raise OSError(5, "Input/output error")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a read is for")
@@ -210,27 +211,15 @@ def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_un
         hashes.shutdown(5)
 
 
-class LateReads:
+class LateReads(StuckReads):
     """Stand-in for a slow disk that answers after the timeout: preadv of one file waits until released, then
     reads for real, into whatever memory the request was given."""
 
-    def __init__(self, name):
-        self.name, self.real = name, os.preadv
-        self.release, self.entered, self.left = threading.Event(), threading.Event(), threading.Event()
-
-    def __call__(self, fd, buffers, offset, *args):
+    def answer(self, fd, buffers, offset, *args):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if target.endswith(self.name):
-            self.entered.set()
-            self.release.wait(60)
-            try:
-                return self.real(fd, buffers, offset, *args)
-            finally:
-                self.left.set()
-        return self.real(fd, buffers, offset, *args)
+            return self.real(fd, buffers, offset, *args)
+        finally:
+            self.left.set()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc to tell which file a read is for")
