@@ -23,11 +23,18 @@ class Layers:
     rows: Dict[Hashable, int] = field(default_factory=dict)  # layers kept as one row: the rows they are served as
 
     def add(self, key: Hashable, layout: LayerLayout, kept: LayerLayout, place: str, rows: int) -> None:
-        self.layouts[key], self.kept[key], self.where[key] = layout, kept, place
+        """The layout last, in a line of its own: the key is put (and served) only once every other field is set,
+        and a put that Ctrl-C stopped before that line sets them all again."""
         if rows > 1:
             self.rows[key] = rows
+        else:
+            self.rows.pop(key, None)
         if place == DEVICE:
             self.resident.add(key)
+        else:
+            self.resident.discard(key)
+        self.kept[key], self.where[key] = kept, place
+        self.layouts[key] = layout
 
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place."""

@@ -73,7 +73,7 @@ class KVStore:
         self._res: Optional[StoreResources] = None  # streams, allocators, tiers and ring, once the mode is known
         self._tiers: Dict[str, Tier] = {}
         self._layers = Layers(self._compact)
-        self._used = dict.fromkeys(BUDGET_PLACES, 0)  # bytes as kept, per budget place (the plan's caps)
+        self._charged: Dict[Hashable, Tuple[str, int]] = {}  # each layer's budget place and bytes as kept
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._consumer, self._busy, self._owner = Consumer(), threading.RLock(), Owner()
@@ -174,12 +174,14 @@ class KVStore:
         kept = layout_for(k, v) if self._compact.coded(key) or rows > 1 else layout
         if self.plan is None:
             self._make_plan(layout, kept, free)
-        used = self._used
+        used = self._used()
         place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
         self._res.tier(place).store(key, k, v, kept)
-        self._layers.add(key, layout, kept, place, rows)
+        # The layer is put once `_layers.add` has run its last line (the layout, which `put` checks): a put that
+        # Ctrl-C stopped before that is put again whole, so every step up to it takes a repeat.
         self._order.add(key)
-        used[budget_place(place)] += kept.data_bytes
+        self._charged[key] = (budget_place(place), kept.data_bytes)
+        self._layers.add(key, layout, kept, place, rows)
         if place == DEVICE:
             self._stats.add_device(kept.tensor_bytes, layers=1)
         else:
@@ -197,6 +199,13 @@ class KVStore:
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         return self._res.ring.serve(key)
+
+    def _used(self) -> Dict[str, int]:
+        """Bytes as kept so far, per budget place (what the plan's caps count)."""
+        used = dict.fromkeys(BUDGET_PLACES, 0)
+        for budget, nbytes in list(self._charged.values()):
+            used[budget] += nbytes
+        return used
 
     def _check_open(self, what: str) -> None:
         if self.closed:

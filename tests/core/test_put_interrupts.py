@@ -1,0 +1,70 @@
+"""Ctrl-C at every line of a store's `put`, in every mode, with batch rows kept once: the put is then retried (a
+user's Ctrl-C, then the same call again) and the store ends as one that was never interrupted: the same layers in
+the same places, counted once, each served exact."""
+
+import inspect
+
+import pytest
+import torch
+
+from offload_core import KVStore, OffloadConfig
+from offload_core.layers import Layers
+from offload_core.ring import LayerOrder
+from offload_core.store import KVStore as Store
+from interrupt_lines import ctrl_c_at, lines_of
+from store_helpers import make_layers
+
+MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "mixed"]
+SHAPE = (1, 4, 67, 32)  # an odd token count; 17 KiB a tensor
+
+
+def doubled(layers):
+    """Each layer as two identical batch rows (true CFG with one prompt): kept as one row, served as two."""
+    return {key: tuple(t.expand(2, -1, -1, -1).contiguous() for t in kv) for key, kv in layers.items()}
+
+
+def store_for(mode, tmp_path):
+    """`mixed`: the first layers on the device, the next in RAM, the rest in files (budgets of whole layers)."""
+    tmp_path.mkdir()
+    fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
+    if mode == "mixed":
+        kept = 2 * 17152  # one row of K and V
+        mode, fields = "ram_async", {"device_budget": 2 * kept, "host_budget": 3 * kept, "file_dir": str(tmp_path)}
+    return KVStore(OffloadConfig(mode=mode, **fields), "cpu")
+
+
+def _lines():
+    put = inspect.unwrap(Store.put)
+    return [(fn, line) for fn in (put, Layers.add, LayerOrder.add) for line in lines_of(fn)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_never_stopped(mode, tmp_path):
+    lines = _lines()
+    data = doubled(make_layers(range(len(lines)), torch.bfloat16, seed=5, shape=SHAPE))
+    reference = store_for(mode, tmp_path / "reference")
+    for key, (k, v) in data.items():
+        reference.put(key, k, v)
+    store, interrupted = store_for(mode, tmp_path / "interrupted"), 0
+    for key, (function, line) in enumerate(lines):
+        with ctrl_c_at(function, line) as fired:
+            try:
+                store.put(key, *data[key])
+            except KeyboardInterrupt:
+                pass
+        interrupted += bool(fired)
+        if key not in store._layers.layouts:
+            store.put(key, *data[key])  # the retry
+        k, v = store.get(key)
+        assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), (function.__qualname__, line)
+    assert interrupted >= 25
+    assert store._layers.where == reference._layers.where  # the same places: every layer charged once
+    assert store._order.order == list(data)
+    assert store._used() == reference._used()
+    for key in reversed(list(data)):
+        k, v = store.get(key)
+        assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), key
+    if mode == "mixed":
+        assert set(store._layers.where.values()) == {"device", "host_pageable", "file"}  # a CPU pins nothing
+    store.close()
+    reference.close()
