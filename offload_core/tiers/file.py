@@ -15,6 +15,7 @@ hanging."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import functools
 import itertools
 import logging
@@ -30,7 +31,7 @@ from ..layout import LayerLayout
 from ..places import FILE, PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
 from . import diskfit
-from .fileio import checksum_module, probe_page_cache_mode, ram_backed
+from .fileio import KVWriteError, checksum_module, os_cause, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
 from .filesave import discard
@@ -52,7 +53,14 @@ class FileTier(Tier):
         self._ctx = ctx
         # A fresh directory of our own, also inside a caller's `file_dir`, locked while we live: close() deletes
         # exactly it, and a later store reclaims it if this process dies first.
-        self._owner = OwnedDir(parent_dir, "kv_offload-")
+        try:
+            self._owner = OwnedDir(parent_dir, "kv_offload-")
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise KVWriteError(f"KV offload: the disk holding {parent_dir or 'the temp directory'!r} is full "
+                               f"({os_cause(exc)}): not even the cache's directory fits. Free space there, point "
+                               "`file_dir` at a bigger disk, or pick a RAM mode.") from None
         self.directory = self._owner.path
         self._closed = False
         self._chunks = self._hashes = None

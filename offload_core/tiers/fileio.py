@@ -120,6 +120,10 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
             f.close()
         return direct
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # says nothing of the mode: the store would keep the fallback
+            raise KVWriteError(f"KV offload: the disk holding {directory!r} is full ({os_cause(exc)}): not even a "
+                               "4 KiB test file fits. Free space there, point `file_dir` at a bigger disk, or pick "
+                               "a RAM mode.") from None
         log.info("%s refused in %s (%s); using %s", direct, directory, exc, modes[1])
         return modes[1]
     finally:

@@ -8,7 +8,7 @@ import errno
 import logging
 import os
 import shutil
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ..places import KiB, MiB
 from . import fileos
@@ -69,13 +69,14 @@ def _size(n: int) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
 
 
-def pwrite_all(f: Handle, view: memoryview, offset: int, path: str) -> None:
+def pwrite_all(f: Handle, view: memoryview, offset: int, path: str, file_bytes: Optional[int] = None) -> None:
+    """Writes `view` whole at `offset`; an error names the file and its size, `file_bytes` (default: the view's)."""
     done = 0
     while done < len(view):
         try:
             n = f.pwrite(view[done:], offset + done)
         except OSError as exc:
-            raise write_error(path, len(view), exc) from None
+            raise write_error(path, file_bytes or len(view), exc) from None
         if n <= 0:
             raise KVWriteError(f"KV offload: writing layer file {path!r} made no progress at byte {offset + done}.")
         done += n

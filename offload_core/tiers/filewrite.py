@@ -186,7 +186,7 @@ class Writer:
             try:
                 lease.item[1].synchronize()  # the copy into the buffer has finished
                 view = lease.item[0].memory()[:n]
-                pwrite_all(job.file, view, offset, job.tmp)
+                pwrite_all(job.file, view, offset, job.tmp, entry.total)
             except BaseException:
                 lease.give_back()
                 raise
@@ -239,7 +239,7 @@ class Writer:
             head = HostBuffer(len(header))  # page-aligned, as O_DIRECT needs; a few KiB
             with head.memory() as mem:
                 mem[:len(header)] = header
-                pwrite_all(job.file, mem[:len(header)], 0, job.tmp)
+                pwrite_all(job.file, mem[:len(header)], 0, job.tmp, entry.total)
             entry.header, entry.digests = header, digests
             fd_open, f, job.file = False, job.file, None
             finish_write(f, job.tmp, entry.path, self.cache_mode, entry.total)  # closes fd, renames or discards

@@ -143,3 +143,67 @@ def test_a_failed_write_is_cleaned_up_once(mode, tmp_path, monkeypatch, failing_
     assert torch.equal(k, layer(0)[0]) and torch.equal(v, layer(0)[1])
     store.close()
     assert os.listdir(tmp_path) == []
+
+
+def _fill(where, leave=0):
+    """Fills the filesystem at `where` (as root: the reserved blocks too), then frees `leave` bytes of it again;
+    returns the filler's path. By allocation, to the last block: `statvfs` counts clusters ext4 keeps back."""
+    filler, end = os.path.join(where, "filler"), 0
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for piece in (1 << 20, 64 << 10, 4 << 10, 1 << 10):
+            while True:
+                try:
+                    os.posix_fallocate(fd, end, piece)
+                except OSError:  # ENOSPC: a smaller piece, if any
+                    break
+                end += piece
+        os.ftruncate(fd, max(0, end - leave))
+    finally:
+        os.close(fd)
+    return filler
+
+
+def test_a_disk_full_at_the_first_put_says_so_and_keeps_direct_io_once_space_is_free(mount_ext4, monkeypatch, system):
+    # The page-cache probe writes a 4 KiB file: on a full disk that fails as the disk being full, never as the
+    # directory refusing direct I/O (the store would then go through the page cache for the rest of its life).
+    if system.name == "macos":
+        pytest.skip("macOS has no direct I/O to probe (F_NOCACHE is set per file)")
+    monkeypatch.setenv("KV_OFFLOAD_IO_PROBE", "0")
+    where = mount_ext4("24m")
+    filler = _fill(where)
+    with pytest.raises(KVWriteError, match="is full.*the cache's directory"):  # not a bare OSError
+        KVStore(OffloadConfig(mode="file_sync", file_dir=where), "cpu").put(0, *layer(0))
+    os.remove(filler)
+    filler = _fill(where, leave=3 << 10)  # room for the directory and its lock (blocks of 1 KiB here), no more
+    store = KVStore(OffloadConfig(mode="file_sync", file_dir=where), "cpu")
+    with pytest.raises(KVWriteError, match="is full.*4 KiB test file"):
+        store.put(0, *layer(0))
+    os.remove(filler)
+    store.put(0, *layer(0))
+    assert store.stats()["page_cache"] == {"linux": "o_direct", "windows": "no_buffering"}[system.name]
+    assert torch.equal(store.get(0)[0], layer(0)[0])
+    store.close()
+    assert sorted(os.listdir(where)) == ["lost+found"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_disk_that_fills_mid_write_names_the_layer_files_size(mode, mount_ext4, monkeypatch, system):
+    # Without preallocation (NFSv3, some FUSE filesystems refuse it) the disk fills during a chunk's write: the
+    # error gives the layer file's size, not the chunk's.
+    import errno
+
+    if system.name == "windows":
+        pytest.skip("Windows allocates by extending the file, before any write")
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setenv("KV_OFFLOAD_IO_PROBE", "0")
+    where = mount_ext4("24m")
+    _fill(where, leave=6 * MiB)
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    store = KVStore(OffloadConfig(mode=mode, file_dir=where), "cpu")
+    big = layer(1, shape=(1, 2, 12 * 1024, 64))  # 12 MiB of data
+    with pytest.raises(KVWriteError, match=r"is full.*needs 12\.0 MiB"):
+        store.put(1, *big)
+        store.flush()
+    store.close()
