@@ -99,12 +99,14 @@ def reclaim(parent: str, prefix: str) -> List[str]:
         if not (name.startswith(prefix) or staging):
             continue
         path = os.path.join(parent, name)
+        if staging and _age(path) <= STAGING_GRACE_S:
+            continue  # being made now: its lock file may exist and not be locked yet (taking it would delete a live one)
         try:
             fd = fs.os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | fs.open_flags | fs.no_follow)
         except FileNotFoundError:
             # No lock file: a directory of another program (or an older version) — not ours to judge; or a
-            # staging directory whose maker died before locking it, once it is clearly not being made now.
-            if staging and _age(path) > STAGING_GRACE_S:
+            # staging directory whose maker died before locking it (it is older than the grace).
+            if staging:
                 _delete_logged(path, "an unfinished cache directory")
                 reclaimed.append(path)
             continue
