@@ -29,8 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def _close_in_owner(owner: Owner, tiers: Dict[str, Tier], streams) -> None:
+    """The safety net of a store dropped unclosed, or whose close did not finish: run by the garbage collector or
+    at exit, where an error has nobody to reach but the log."""
     if owner.here:
-        close_tiers(tiers, streams)
+        try:
+            close_tiers(tiers, streams)
+        except BaseException as exc:
+            log.warning("KV offload: closing a store that was dropped unclosed failed: %s: %s", type(exc).__name__, exc)
 
 
 class StoreResources:
@@ -51,6 +56,7 @@ class StoreResources:
         # dict itself, so tiers opened later are closed too; in a forked child (garbage collection, interpreter
         # exit) it does nothing: the files and buffers are the parent's.
         self._finalizer = weakref.finalize(store, _close_in_owner, owner, tiers, self.streams)
+        self.closed = False
 
     def tier(self, place: str) -> Tier:
         """The tier of `place`, opened at the first layer placed there."""
@@ -85,10 +91,16 @@ class StoreResources:
             tier.seal()  # every layer in place (on disk, and counted there), the write staging freed
 
     def close(self, tag: str) -> None:
+        """Frees everything; a no-op once done. Every step takes a repeat, and the safety net stays armed until
+        the tiers have closed, so a close that Ctrl-C stopped at any line is finished by the next call."""
+        if self.closed:
+            return
         try:
             self.ring.cancel()
         finally:
-            self._finalizer()  # background work finished, then buffers freed and files deleted
+            close_tiers(self.tiers, self.streams)  # background work finished, then buffers freed and files deleted
+            self._finalizer.detach()
             self.streams.resolve(block=True)
-            log.info("KV offload%s: closed; %s", tag, self._stats.summary(self.streams.seconds))
             self.ring.drop()  # device slots go last: no copy into them can be in flight any more
+            self.closed = True
+            log.info("KV offload%s: closed; %s", tag, self._stats.summary(self.streams.seconds))

@@ -138,11 +138,9 @@ class KVStore:
             self._close()
 
     def _close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
+        self.closed = True  # first: no put or get from here on, however the rest ends
         if self._res is not None:
-            self._res.close(self._tag)
+            self._res.close(self._tag)  # a no-op once whole; whole when called again after a Ctrl-C stopped it
         self._stats.emptied()
 
     def __enter__(self) -> "KVStore":
@@ -179,9 +177,10 @@ class KVStore:
         self._res.tier(place).store(key, k, v, kept)
         # The layer is put once `_layers.add` has run its last line (the layout, which `put` checks): a put that
         # Ctrl-C stopped before that is put again whole, so every step up to it takes a repeat.
-        self._order.add(key)
-        self._charged[key] = (budget_place(place), kept.data_bytes)
+        self._charged[key] = (budget_place(place), kept.data_bytes)  # counted from then on (`_used`)
         self._layers.add(key, layout, kept, place, rows)
+        self._order.add(key)  # after: a key in the order is always served (a Ctrl-C here costs prefetches only,
+        # until the first full pass of gets sets the order)
         if place == DEVICE:
             self._stats.add_device(kept.tensor_bytes, layers=1)
         else:
@@ -201,10 +200,11 @@ class KVStore:
         return self._res.ring.serve(key)
 
     def _used(self) -> Dict[str, int]:
-        """Bytes as kept so far, per budget place (what the plan's caps count)."""
-        used = dict.fromkeys(BUDGET_PLACES, 0)
-        for budget, nbytes in list(self._charged.values()):
-            used[budget] += nbytes
+        """Bytes as kept so far, per budget place (what the plan's caps count): the layers put, once each."""
+        used, put = dict.fromkeys(BUDGET_PLACES, 0), self._layers.layouts
+        for key, (budget, nbytes) in list(self._charged.items()):
+            if key in put:
+                used[budget] += nbytes
         return used
 
     def _check_open(self, what: str) -> None:

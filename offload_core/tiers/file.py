@@ -186,12 +186,12 @@ class FileTier(Tier):
     def close(self) -> None:
         """Stops the I/O (abandoning stuck threads), frees the staging, deletes the directory. Idempotent.
 
-        An interrupt (Ctrl-C) inside close does not stop the cleanup: it is raised again once the directory
-        is gone.
+        An interrupt (Ctrl-C) inside one of those steps does not stop the cleanup: it is raised again once the
+        directory is gone. One between them stops it, and the next call does it all again (each step takes a
+        repeat): the tier counts as closed only once the last step has run.
         """
         if self._closed:
             return
-        self._closed = True
         interrupt: Optional[BaseException] = None
         stuck: List[str] = []
         stopped = False
@@ -225,5 +225,6 @@ class FileTier(Tier):
                 self._owner.delete()
             except KeyboardInterrupt as exc:
                 interrupt = interrupt or exc
-        if interrupt is not None:
+        if interrupt is not None:  # not closed yet: a step it stopped is done again by the next call
             raise interrupt
+        self._closed = True

@@ -187,6 +187,8 @@ def _remove_empty(path: str) -> None:
 class OwnedDir:
     """A fresh private directory under `parent`, locked for as long as this object is open."""
 
+    _fd: Optional[int] = None  # the lock's descriptor, while held
+
     def __init__(self, parent: Optional[str], prefix: str):
         parent = parent or tempfile.gettempdir()
         fs = fileos.current()
@@ -226,9 +228,8 @@ class OwnedDir:
         return True
 
     def _unlock(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            fileos.current().unlock_and_close(fd)  # from now on any new owner may reclaim what is left
+        if self.__dict__.get("_fd") is not None:  # taken and closed in one line; `_fd` then reads the class's None
+            fileos.current().unlock_and_close(self.__dict__.pop("_fd"))  # any new owner may reclaim what is left
 
     def delete(self) -> List[Tuple[str, str]]:
         """Deletes the directory, then drops the lock; logs and returns what could not be deleted.

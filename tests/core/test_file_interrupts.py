@@ -525,3 +525,40 @@ def test_the_views_a_get_served_stay_readable_after_a_park(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def _close_lines():
+    from offload_core.resources import StoreResources
+    from offload_core.store import KVStore as Store
+    from offload_core.tiers.file import FileTier
+    from offload_core.tiers.registry import close_tiers
+
+    functions = (Store._close, StoreResources.close, close_tiers, FileTier.close, fileowner.OwnedDir.delete,
+                 fileowner.OwnedDir._unlock)
+    return [(fn, line) for fn in functions for line in lines_of(fn)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts descriptors and threads in /proc")
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_at_every_line_of_close_then_close_again_leaves_nothing(mode, tmp_path, wait_until):
+    """Ctrl-C at each line of a store's close, from the store down to its directory's lock: the second close()
+    (what a user does next, or the interpreter's exit) deletes the directory, stops every I/O thread and closes
+    every descriptor. Only once: the first close may well have done it all."""
+    data = layers(2)
+    fds, threads = len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+    interrupted = 0
+    for function, line in _close_lines():
+        store = file_store(mode, tmp_path, data, put=range(2))
+        store.get(0)
+        with ctrl_c_at(function, line) as fired:
+            try:
+                store.close()
+            except KeyboardInterrupt:
+                pass
+        interrupted += bool(fired)
+        store.close()
+        where = (function.__qualname__, line)
+        assert os.listdir(tmp_path) == [], where
+        wait_until(lambda: len(os.listdir("/proc/self/task")) <= threads)
+        assert len(os.listdir("/proc/self/fd")) == fds, where
+    assert interrupted >= 40
