@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Hashable, Optional, Tuple
+from typing import Dict, Hashable, Optional, Set, Tuple
 
 import torch
 
@@ -74,6 +74,7 @@ class KVStore:
         self._tiers: Dict[str, Tier] = {}
         self._layers = Layers(self._compact)
         self._charged: Dict[Hashable, Tuple[str, int]] = {}  # each layer's budget place and bytes as kept
+        self._tried: Dict[Hashable, Set[str]] = {}  # the places each key's puts went to, until the store seals
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._consumer, self._busy, self._owner = Consumer(), threading.RLock(), Owner()
@@ -174,6 +175,7 @@ class KVStore:
             self._make_plan(layout, kept, free)
         used = self._used()
         place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
+        self._tried.setdefault(key, set()).add(place)  # before the tier has any of it (`_drop_strays`)
         self._res.tier(place).store(key, k, v, kept)
         # The layer is put once `_layers.add` has run its last line (the layout, which `put` checks): a put that
         # Ctrl-C stopped before that is put again whole, so every step up to it takes a repeat.
@@ -198,6 +200,15 @@ class KVStore:
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
         return self._res.ring.serve(key)
+
+    def _drop_strays(self) -> None:
+        """Frees what the tiers hold of puts that Ctrl-C stopped and nobody repeated (kept for reuse, the store
+        would hold them for good): every place a key went to but the one it is served from."""
+        for key, places in list(self._tried.items()):
+            for place in places - {self._layers.where[key]} if key in self._layers.layouts else places:
+                if place in self._res.tiers:  # not when Ctrl-C stopped the tier's opening
+                    self._res.tiers[place].drop(key)
+            del self._tried[key]
 
     def _used(self) -> Dict[str, int]:
         """Bytes as kept so far, per budget place (what the plan's caps count): the layers put, once each."""
@@ -236,6 +247,7 @@ class KVStore:
             if self.closed or self._res is None:
                 return
             if not self.sealed:
+                self._drop_strays()
                 self._res.seal()
             self.sealed = True
             self._res.ring.empty()  # host slots a tier made go back to the OS, device slots to the caching allocator

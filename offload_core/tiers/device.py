@@ -33,8 +33,14 @@ class DeviceTier(Tier):
         # in-place change by the caller reach the cache.
         k, v = (k.detach().clone(memory_format=torch.contiguous_format),
                 v.detach().clone(memory_format=torch.contiguous_format))
-        self._layers[key] = (k, v, k._version + v._version, layout)
-        self._bytes += layout.tensor_bytes
+        old = self._layers.get(key)  # a put that Ctrl-C stopped after this, repeated: the copy replaces it
+        self._layers[key], self._bytes = ((k, v, k._version + v._version, layout),
+                                          self._bytes + layout.tensor_bytes - (old[3].tensor_bytes if old else 0))
+
+    def drop(self, key: Hashable) -> None:
+        old = self._layers.get(key)
+        if old is not None:
+            self._bytes, _ = self._bytes - old[3].tensor_bytes, self._layers.pop(key)
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         # These are the cache itself, not a copy: a consumer that wrote into them would change every later

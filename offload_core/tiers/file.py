@@ -109,6 +109,11 @@ class FileTier(Tier):
             self._lanes["write"].submit(functools.partial(discard, earlier), f"removing {earlier}")
         del names[:-1]
 
+    def drop(self, key: Hashable) -> None:
+        self._files.pop(key, None)
+        for path in self._paths.pop(key, []):  # on the write lane (FIFO): after the write's finish, if any
+            self._lanes["write"].submit(functools.partial(discard, path), f"removing {path}")
+
     # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
         """On a CPU (no streams to order), a page-aligned slot, which `O_DIRECT` reads fill directly: no staging

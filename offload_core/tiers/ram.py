@@ -35,7 +35,7 @@ class RamTier(Tier):
         if side is None:
             with streams.timed("transfer"):
                 _copy_layer(streams, buf.tensor, layout, k, v)  # blocking: the private copy exists on return
-            self._layers[key] = (buf, layout)
+            self._keep(key, buf, layout)
             return
         # Snapshot on the producer's stream first (a device-to-device copy, ~100x faster than the link): later
         # kernels on that stream may overwrite `k`/`v`, and they are not ordered after our side stream.
@@ -49,7 +49,21 @@ class RamTier(Tier):
         # it keeps the caching allocator from handing its memory out before that copy has finished.
         streams.record_stream(snap, side)
         self._offloads.append(streams.record(side))
-        self._layers[key] = (buf, layout)
+        self._keep(key, buf, layout)
+
+    def _keep(self, key: Hashable, buf: HostBuffer, layout: LayerLayout) -> None:
+        old, self._layers[key] = self._layers.get(key), (buf, layout)
+        if old is not None:  # a put that Ctrl-C stopped after this, repeated: its copy may still be in flight
+            self._free(old[0])
+
+    def drop(self, key: Hashable) -> None:
+        old = self._layers.pop(key, None)
+        if old is not None:
+            self._free(old[0])
+
+    def _free(self, buf: HostBuffer) -> None:
+        self._bound_offloads(0)  # every device-to-host copy ended: none still writes into `buf`
+        self._ctx.allocator.free(buf)
 
     def _bound_offloads(self, limit: int) -> None:
         """Keeps at most `limit` snapshots in flight, so offloading never holds the whole cache on the device."""

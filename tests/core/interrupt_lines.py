@@ -35,3 +35,22 @@ def ctrl_c_at(function: Callable, line: int):
         yield fired
     finally:
         sys.settrace(previous)
+
+
+def call_with_ctrl_c_at(function: Callable, line: int, call: Callable[[], object]) -> bool:
+    """`call()` with Ctrl-C at `line` of `function`, the interrupt swallowed; returns whether it came."""
+    with ctrl_c_at(function, line) as fired:
+        try:
+            call()
+        except KeyboardInterrupt:
+            pass
+    return bool(fired)
+
+
+def put_with_ctrl_c_at(store, function: Callable, line: int, key, k, v) -> bool:
+    """`store.put(key, k, v)` with Ctrl-C at `line` of `function`, then the retry a user makes if the layer is not
+    in yet; returns whether the interrupt came."""
+    fired = call_with_ctrl_c_at(function, line, lambda: store.put(key, k, v))
+    if key not in store._layers.layouts:
+        store.put(key, k, v)
+    return fired

@@ -15,7 +15,7 @@ import torch
 from filestores import MODES, file_store, layers
 from offload_core import KVStore, OffloadConfig
 from offload_core.tiers import fileowner, iopool
-from interrupt_lines import ctrl_c_at, lines_of
+from interrupt_lines import call_with_ctrl_c_at, ctrl_c_at, lines_of
 from store_helpers import make_layers
 
 
@@ -482,12 +482,7 @@ def test_ctrl_c_at_every_line_of_a_park_never_serves_freed_memory(mode, tmp_path
     for function, line in _park_lines():
         for key in range(3):
             store.get(key)
-        with ctrl_c_at(function, line) as fired:
-            try:
-                store.park()
-            except KeyboardInterrupt:
-                pass
-        interrupted += bool(fired)
+        interrupted += call_with_ctrl_c_at(function, line, store.park)
         ring, tier = store._res.ring, store._tiers["file"]
         assert all(s.buffer is None or s.buffer.data_ptr() in tier._host_slots for s in ring.slots)  # none freed
         for key in (1, 2, 0):
@@ -550,12 +545,7 @@ def test_ctrl_c_at_every_line_of_close_then_close_again_leaves_nothing(mode, tmp
     for function, line in _close_lines():
         store = file_store(mode, tmp_path, data, put=range(2))
         store.get(0)
-        with ctrl_c_at(function, line) as fired:
-            try:
-                store.close()
-            except KeyboardInterrupt:
-                pass
-        interrupted += bool(fired)
+        interrupted += call_with_ctrl_c_at(function, line, store.close)
         store.close()
         where = (function.__qualname__, line)
         assert os.listdir(tmp_path) == [], where

@@ -9,7 +9,7 @@ import torch
 
 from filestores import MODES, file_store, layers
 from offload_core.tiers import iopool
-from interrupt_lines import ctrl_c_at, lines_of
+from interrupt_lines import ctrl_c_at, lines_of, put_with_ctrl_c_at
 
 
 def layer_files(store):
@@ -51,14 +51,7 @@ def test_ctrl_c_at_every_line_of_a_put_loses_nothing(mode, tmp_path, monkeypatch
     fds = len(os.listdir("/proc/self/fd"))
     interrupted = 0
     for key, (function, line) in enumerate(lines, start=1):
-        with ctrl_c_at(function, line) as fired:
-            try:
-                store.put(key, *data[key])
-            except KeyboardInterrupt:
-                pass
-        interrupted += bool(fired)
-        if key not in store._layers.layouts:
-            store.put(key, *data[key])  # the retry a user makes
+        interrupted += put_with_ctrl_c_at(store, function, line, key, *data[key])
         where = (function.__qualname__, line)
         _settled(store, wait_until)
         wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)

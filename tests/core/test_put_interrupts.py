@@ -3,6 +3,7 @@ user's Ctrl-C, then the same call again) and the store ends as one that was neve
 the same places, counted once, each served exact."""
 
 import inspect
+import os
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from offload_core import KVStore, OffloadConfig
 from offload_core.layers import Layers
 from offload_core.ring import LayerOrder
 from offload_core.store import KVStore as Store
-from interrupt_lines import ctrl_c_at, lines_of
+from interrupt_lines import ctrl_c_at, lines_of, put_with_ctrl_c_at
 from store_helpers import make_layers
 
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "mixed"]
@@ -33,13 +34,32 @@ def store_for(mode, tmp_path):
     return KVStore(OffloadConfig(mode=mode, **fields), "cpu")
 
 
+def kept(store):
+    """Bytes each place's tier holds of layers once the store is parked (its writes done, its staging freed), and
+    the host memory its allocators have given out (without a file tier, whose staging and slots come and go with
+    its reads)."""
+    for key in store._layers.layouts:  # a read each, as both stores' reads leave their staging alike
+        store.get(key)
+    store.park()
+    held = {place: tier.nbytes()[place] for place, tier in store._res.tiers.items()}
+    if "file" not in held:
+        held["allocated"] = sum(a.pinned_bytes + a.pageable_bytes for a in (store._res.allocator, store._res.pageable))
+    return held
+
+
+def layer_files(store):
+    tier = store._res.tiers.get("file")
+    return len([n for n in os.listdir(tier.directory) if n.startswith("layer-")]) if tier is not None else 0
+
+
 def _lines():
     put = inspect.unwrap(Store.put)
     return [(fn, line) for fn in (put, Layers.add, LayerOrder.add) for line in lines_of(fn)]
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_never_stopped(mode, tmp_path):
+def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_never_stopped(mode, tmp_path,
+                                                                                          wait_until):
     lines = _lines()
     data = doubled(make_layers(range(len(lines)), torch.bfloat16, seed=5, shape=SHAPE))
     reference = store_for(mode, tmp_path / "reference")
@@ -47,20 +67,15 @@ def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_nev
         reference.put(key, k, v)
     store, interrupted = store_for(mode, tmp_path / "interrupted"), 0
     for key, (function, line) in enumerate(lines):
-        with ctrl_c_at(function, line) as fired:
-            try:
-                store.put(key, *data[key])
-            except KeyboardInterrupt:
-                pass
-        interrupted += bool(fired)
-        if key not in store._layers.layouts:
-            store.put(key, *data[key])  # the retry
+        interrupted += put_with_ctrl_c_at(store, function, line, key, *data[key])
         k, v = store.get(key)
         assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), (function.__qualname__, line)
     assert interrupted >= 25
     assert store._layers.where == reference._layers.where  # the same places: every layer charged once
     assert set(store._order.order) <= set(data)  # never a key that was not put: the ring would prefetch it
     assert store._used() == reference._used()
+    assert kept(store) == kept(reference)  # each layer's copy once: a repeated put's first copy freed
+    wait_until(lambda: layer_files(store) == layer_files(reference))  # a file replaced goes on the write lane
     for key in reversed(list(data)):
         k, v = store.get(key)
         assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), key
@@ -72,7 +87,8 @@ def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_nev
 
 @pytest.mark.parametrize("where", ["before its layout", "before its place in the order"])
 @pytest.mark.parametrize("mode", MODES)
-def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counted_half(mode, where, tmp_path):
+def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counted_half(mode, where, tmp_path,
+                                                                                      wait_until):
     """The caller goes on without retrying. Stopped before the layout was recorded, the layer is not there: the
     others are served exact (the ring never prefetches the missing one) and the budgets count only them. Stopped
     just after, the layer is whole, only not yet in the prefetch order: it is served exact too."""
@@ -95,5 +111,7 @@ def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counte
     for key in put:
         reference.put(key, *data[key])
     assert store._used() == reference._used()
+    assert kept(store) == kept(reference)  # parked for reuse: nothing of the stopped put kept with it
+    wait_until(lambda: layer_files(store) == layer_files(reference))
     store.close()
     reference.close()
