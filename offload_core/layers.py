@@ -36,16 +36,24 @@ class Layers:
         self.kept[key], self.where[key] = kept, place
         self.layouts[key] = layout
 
+    def forget(self, key: Hashable) -> None:
+        """Drops what `add` recorded of a layer it did not finish (a put that Ctrl-C stopped, never repeated)."""
+        if key not in self.layouts:
+            # One line (Ctrl-C comes between lines): forgotten whole or not at all, and then again at the next call.
+            self.rows.pop(key, None), self.resident.discard(key), self.kept.pop(key, None), self.where.pop(key, None)
+
+    # What follows counts the layers put, not one whose `add` a Ctrl-C stopped (until the store forgets it).
     def placement(self) -> Dict[str, int]:
         """Layers put so far, per place."""
         out = dict.fromkeys(PLACES, 0)
-        for place in list(self.where.values()):  # a copy: stats() may run on another thread during puts
-            out[place] += 1
+        for key, place in list(self.where.items()):  # a copy: stats() may run on another thread during puts
+            if key in self.layouts:
+                out[place] += 1
         return out
 
     def kept_bytes(self) -> int:
-        return sum(kept.data_bytes for kept in list(self.kept.values()))
+        return sum(kept.data_bytes for key, kept in list(self.kept.items()) if key in self.layouts)
 
     def resident_bytes(self) -> int:
         """Bytes of the resident layers' tensors, as the device tier keeps them."""
-        return sum(self.kept[key].tensor_bytes for key in list(self.resident))
+        return sum(self.kept[key].tensor_bytes for key in list(self.resident) if key in self.layouts)

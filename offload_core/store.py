@@ -208,6 +208,7 @@ class KVStore:
             for place in places - {self._layers.where[key]} if key in self._layers.layouts else places:
                 if place in self._res.tiers:  # not when Ctrl-C stopped the tier's opening
                     self._res.tiers[place].drop(key)
+            self._layers.forget(key)  # what `Layers.add` recorded of it, if it never finished
             del self._tried[key]
 
     def _used(self) -> Dict[str, int]:

@@ -12,7 +12,7 @@ from offload_core import KVStore, OffloadConfig
 from offload_core.layers import Layers
 from offload_core.ring import LayerOrder
 from offload_core.store import KVStore as Store
-from interrupt_lines import ctrl_c_at, lines_of, put_with_ctrl_c_at
+from interrupt_lines import call_with_ctrl_c_at, lines_of, put_with_ctrl_c_at
 from store_helpers import make_layers
 
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "mixed"]
@@ -85,33 +85,42 @@ def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_nev
     reference.close()
 
 
-@pytest.mark.parametrize("where", ["before its layout", "before its place in the order"])
+def _stopped_lines():
+    """Every line of `Layers.add` (the layer is not put until its last), then the line after it (put, not yet
+    in the prefetch order)."""
+    return [(Layers.add, line) for line in lines_of(Layers.add)] + [(LayerOrder.add, lines_of(LayerOrder.add)[-1])]
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counted_half(mode, where, tmp_path,
-                                                                                      wait_until):
+def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counted_half(mode, tmp_path, wait_until):
     """The caller goes on without retrying. Stopped before the layout was recorded, the layer is not there: the
-    others are served exact (the ring never prefetches the missing one) and the budgets count only them. Stopped
-    just after, the layer is whole, only not yet in the prefetch order: it is served exact too."""
-    data = doubled(make_layers(range(4), torch.bfloat16, seed=6, shape=SHAPE))
-    function = {"before its layout": Layers.add, "before its place in the order": LayerOrder.add}[where]
-    store = store_for(mode, tmp_path / "stopped")
-    store.put(0, *data[0])
-    with ctrl_c_at(function, lines_of(function)[-1]) as fired, pytest.raises(KeyboardInterrupt):
-        store.put(1, *data[1])
-    assert fired
-    for key in (2, 3):
-        store.put(key, *data[key])
-    put = [0, 2, 3] if where == "before its layout" else [0, 1, 2, 3]
-    assert list(store._layers.layouts) == put
-    for _ in range(2):  # a pass in the order of the puts, then one in the order the first pass set
+    others are served exact (the ring never prefetches the missing one), the budgets and stats count only them,
+    and once parked the store holds nothing of it. Stopped just after, the layer is whole, only not yet in the
+    prefetch order: it is served exact too. (`mixed` sends the stopped layer to the device.)"""
+    data, stopped = doubled(make_layers(range(4), torch.bfloat16, seed=6, shape=SHAPE)), 0
+    for n, (function, line) in enumerate(_stopped_lines()):
+        store = store_for(mode, tmp_path / f"stopped{n}")
+        store.put(0, *data[0])
+        if not call_with_ctrl_c_at(function, line, lambda: store.put(1, *data[1])):
+            store.close()
+            continue  # a line this put does not run (the other branch of an `if`)
+        stopped += 1
+        for key in (2, 3):
+            store.put(key, *data[key])
+        put = [key for key in data if key in store._layers.layouts]
+        assert put == ([0, 1, 2, 3] if function is LayerOrder.add else [0, 2, 3])
+        for _ in range(2):  # a pass in the order of the puts, then one in the order the first pass set
+            for key in put:
+                k, v = store.get(key)
+                assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), (line, key)
+        reference = store_for(mode, tmp_path / f"reference{n}")
         for key in put:
-            k, v = store.get(key)
-            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), key
-    reference = store_for(mode, tmp_path / "reference")
-    for key in put:
-        reference.put(key, *data[key])
-    assert store._used() == reference._used()
-    assert kept(store) == kept(reference)  # parked for reuse: nothing of the stopped put kept with it
-    wait_until(lambda: layer_files(store) == layer_files(reference))
-    store.close()
-    reference.close()
+            reference.put(key, *data[key])
+        assert store._used() == reference._used(), line
+        assert kept(store) == kept(reference), line  # parked for reuse: nothing of the stopped put kept with it
+        for figure in ("plan", "device_bytes", "layers"):
+            assert store.stats()[figure] == reference.stats()[figure], (line, figure)
+        wait_until(lambda: layer_files(store) == layer_files(reference))
+        store.close()
+        reference.close()
+    assert stopped >= 7
