@@ -72,10 +72,11 @@ class PrefixRegistry:
         self._entries: "OrderedDict[int, List[Entry]]" = OrderedDict()
         self._lru: "OrderedDict[int, Entry]" = OrderedDict()  # id(entry) -> entry, oldest first
         self._doomed: List[Entry] = []  # evicted while leased: closed on release, or by close()
+        self._closing: List[object] = []  # evicted stores, each listed until its close() has returned
         self._lock = threading.RLock()
         self._counters = _Counters()
         self.closed = False
-        self._finalizer = weakref.finalize(self, _close_entries, self._lru)
+        self._finalizer = weakref.finalize(self, _close_entries, self._lru, self._closing)
 
     # -- lookup / admit / release ----------------------------------------------------------------------------
     def lookup(self, key: PrefixKey) -> Optional[Entry]:
@@ -163,19 +164,28 @@ class PrefixRegistry:
     def _evict(self, entry: Entry, why: str) -> None:
         """Forget `entry` (no later lookup finds it) and close its store — at once, or, while a request reads
         it, when that request releases it: a store is never closed under its reader."""
-        if self._lru.pop(id(entry), None) is None:
+        if id(entry) not in self._lru:
             return
+        if entry.leased:
+            entry.doomed = True
+            self._doomed.append(entry)
+        else:
+            self._closing.append(entry.store)  # listed before it is forgotten: a Ctrl-C cannot lose it
+        del self._lru[id(entry)]
         bucket = self._entries.get(hash(entry.key), [])
         bucket[:] = [e for e in bucket if e is not entry]
         if not bucket:
             self._entries.pop(hash(entry.key), None)
         self._counters.evictions += 1
         self._counters.last_eviction = why
-        if entry.leased:
-            entry.doomed = True
-            self._doomed.append(entry)
-        else:
-            _close_quietly(entry.store)
+        self._finish_closing()
+
+    def _finish_closing(self) -> None:
+        """Closes the evicted stores in `_closing`, each struck off once its close has returned: what a Ctrl-C
+        stopped is finished by the next eviction, `close()` or the registry's finalizer."""
+        while self._closing:
+            _close_quietly(self._closing[0])
+            del self._closing[0]
 
     def evict_where(self, predicate, why: str, *, leased: bool = True) -> int:
         """Evict every entry whose key satisfies `predicate(key)` (`leased=False`: only those not in use; a leased
@@ -196,9 +206,10 @@ class PrefixRegistry:
             if self.closed:
                 return
             self.clear("the registry was closed")
-            doomed, self._doomed = self._doomed, []
-            for entry in doomed:  # closing outranks a reader: nothing may outlive the registry
-                _close_quietly(entry.store)
+            while self._doomed:  # closing outranks a reader: nothing may outlive the registry
+                self._closing.append(self._doomed[0].store)  # twice at worst (a Ctrl-C here): a close is idempotent
+                del self._doomed[0]
+            self._finish_closing()
             self.closed = True
             self._finalizer.detach()
 
@@ -240,12 +251,14 @@ def _close_quietly(store) -> None:
         log.warning("KV offload reuse: closing a kept store failed", exc_info=True)
 
 
-def _close_entries(lru: "OrderedDict[int, Entry]") -> None:
-    # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included
-    # (in a forked child, `KVStore.close` touches nothing of the parent's).
-    for entry in list(lru.values()):
-        _close_quietly(entry.store)
+def _close_entries(lru: "OrderedDict[int, Entry]", closing: List[object]) -> None:
+    # Runs when the registry is garbage collected or at interpreter exit: every kept store goes, files included,
+    # and every evicted one whose close a Ctrl-C stopped (in a forked child, `KVStore.close` touches nothing of
+    # the parent's).
+    for store in [*closing, *(entry.store for entry in lru.values())]:
+        _close_quietly(store)
     lru.clear()
+    closing.clear()
 
 
 def describe(stats: Optional[dict]) -> str:

@@ -8,6 +8,7 @@ import torch
 
 from offload_core.prefix import PrefixKey
 from offload_core.reuse import PrefixRegistry
+from interrupt_lines import lines_of
 from registry_stores import files, filled_store, key
 
 BUDGET = {"device": 1 << 30, "host": 1 << 30, "file": 1 << 30}
@@ -70,4 +71,37 @@ def test_a_bug_in_closing_a_kept_store_is_not_hidden(tmp_path):
     store.close = lambda: None.missing  # an AttributeError: a bug, not an I/O failure
     with pytest.raises(AttributeError):
         registry.clear()
-    real_close()
+    del store.close  # fixed: the registry's close finishes what the failed one left
+    registry.close()
+    assert store.closed and real_close is not None
+
+
+def _registry_close_lines():
+    from offload_core.reuse import _close_quietly
+    from offload_core.store import KVStore
+
+    functions = (PrefixRegistry.close, PrefixRegistry._evict, PrefixRegistry._finish_closing, _close_quietly,
+                 KVStore._close)
+    return [(fn, line) for fn in functions for line in lines_of(fn)]
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_a_registry_close_stopped_by_ctrl_c_at_any_line_is_finished_by_the_next(leased, tmp_path):
+    # Kept stores (one of them leased to a request, when `leased`): Ctrl-C anywhere in the registry's close, from
+    # the eviction down to a store's own close; the next registry close() closes every store and deletes its files.
+    from interrupt_lines import call_with_ctrl_c_at
+
+    interrupted = 0
+    for n, (function, line) in enumerate(_registry_close_lines()):
+        registry, stores = PrefixRegistry(BUDGET), []
+        for i in range(2):
+            (tmp_path / f"{n}-{i}").mkdir()
+            stores.append(filled_store("file_async", tmp_path / f"{n}-{i}", seed=i)[0])
+            assert registry.admit(key(torch.full((1,), float(i))), stores[-1])
+        if leased:
+            assert registry.lookup(key(torch.zeros(1))) is not None
+        interrupted += call_with_ctrl_c_at(function, line, registry.close)
+        registry.close()
+        assert all(s.closed and s._res.closed for s in stores), (function.__qualname__, line)
+        assert files(tmp_path) == [], (function.__qualname__, line)
+    assert interrupted >= 15
