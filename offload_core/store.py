@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Dict, Hashable, Optional, Set, Tuple
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ from .guards import Consumer, Owner, check_device, check_pair, engine_mode, one_
 from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from .hostmem import pin_room
 from .layout import LayerLayout, layout_for
-from .places import BUDGET_DEVICE, BUDGET_HOST, BUDGET_PLACES, DEVICE, budget_place
+from .places import BUDGET_DEVICE, BUDGET_HOST, DEVICE
 from .plan import ASSUMED_LAYERS, Figures, Plan, make_plan, resolve
 from .layers import Layers
 from .resources import StoreResources
@@ -73,8 +73,6 @@ class KVStore:
         self._res: Optional[StoreResources] = None  # streams, allocators, tiers and ring, once the mode is known
         self._tiers: Dict[str, Tier] = {}
         self._layers = Layers(self._compact)
-        self._charged: Dict[Hashable, Tuple[str, int]] = {}  # each layer's budget place and bytes as kept
-        self._tried: Dict[Hashable, Set[str]] = {}  # the places each key's puts went to, until the store seals
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
         self._consumer, self._busy, self._owner = Consumer(), threading.RLock(), Owner()
@@ -173,13 +171,12 @@ class KVStore:
         kept = layout_for(k, v) if self._compact.coded(key) or rows > 1 else layout
         if self.plan is None:
             self._make_plan(layout, kept, free)
-        used = self._used()
+        used = self._layers.used()
         place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
-        self._tried.setdefault(key, set()).add(place)  # before the tier has any of it (`_drop_strays`)
+        self._layers.trying(key, place)  # before the tier has any of it (`_drop_strays`)
         self._res.tier(place).store(key, k, v, kept)
         # The layer is put once `_layers.add` has run its last line (the layout, which `put` checks): a put that
         # Ctrl-C stopped before that is put again whole, so every step up to it takes a repeat.
-        self._charged[key] = (budget_place(place), kept.data_bytes)  # counted from then on (`_used`)
         self._layers.add(key, layout, kept, place, rows)
         self._order.add(key)  # after: a key in the order is always served (a Ctrl-C here costs prefetches only,
         # until the first full pass of gets sets the order)
@@ -203,21 +200,12 @@ class KVStore:
 
     def _drop_strays(self) -> None:
         """Frees what the tiers hold of puts that Ctrl-C stopped and nobody repeated (kept for reuse, the store
-        would hold them for good): every place a key went to but the one it is served from."""
-        for key, places in list(self._tried.items()):
-            for place in places - {self._layers.where[key]} if key in self._layers.layouts else places:
+        would hold them for good)."""
+        for key, places in self._layers.strays():
+            for place in places:
                 if place in self._res.tiers:  # not when Ctrl-C stopped the tier's opening
                     self._res.tiers[place].drop(key)
-            self._layers.forget(key)  # what `Layers.add` recorded of it, if it never finished
-            del self._tried[key]
-
-    def _used(self) -> Dict[str, int]:
-        """Bytes as kept so far, per budget place (what the plan's caps count): the layers put, once each."""
-        used, put = dict.fromkeys(BUDGET_PLACES, 0), self._layers.layouts
-        for key, (budget, nbytes) in list(self._charged.items()):
-            if key in put:
-                used[budget] += nbytes
-        return used
+            self._layers.settle(key)
 
     def _check_open(self, what: str) -> None:
         if self.closed:

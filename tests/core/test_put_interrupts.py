@@ -73,7 +73,7 @@ def test_ctrl_c_at_every_line_of_a_put_then_the_retry_leaves_the_store_as_if_nev
     assert interrupted >= 25
     assert store._layers.where == reference._layers.where  # the same places: every layer charged once
     assert set(store._order.order) <= set(data)  # never a key that was not put: the ring would prefetch it
-    assert store._used() == reference._used()
+    assert store._layers.used() == reference._layers.used()
     assert kept(store) == kept(reference)  # each layer's copy once: a repeated put's first copy freed
     wait_until(lambda: layer_files(store) == layer_files(reference))  # a file replaced goes on the write lane
     for key in reversed(list(data)):
@@ -116,8 +116,12 @@ def test_a_put_stopped_by_ctrl_c_and_never_retried_is_never_prefetched_or_counte
         reference = store_for(mode, tmp_path / f"reference{n}")
         for key in put:
             reference.put(key, *data[key])
-        assert store._used() == reference._used(), line
+        assert store._layers.used() == reference._layers.used(), line
+        for figure in ("plan", "reason"):  # before the park forgets the stray
+            assert store.stats()[figure] == reference.stats()[figure], (line, figure)
         assert kept(store) == kept(reference), line  # parked for reuse: nothing of the stopped put kept with it
+        layers = store._layers  # what the ring reads to serve: of the layers put only
+        assert set(layers.where) == set(layers.kept) == set(layers.layouts) >= layers.resident, line
         for figure in ("plan", "device_bytes", "layers"):
             assert store.stats()[figure] == reference.stats()[figure], (line, figure)
         wait_until(lambda: layer_files(store) == layer_files(reference))
