@@ -12,6 +12,7 @@ from simcuda import SimCuda
 ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_placement", "test_codec_edges",
            "test_plan_reasons", "test_dedup", "test_property_engine", "test_codec_limits"}
 ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk",
+                   "test_file_park_close_interrupts", "test_file_put_interrupts",
                    "test_contract", "test_diskfit"}  # the contract: its file-mode cases only (the others touch no file)
 
 
