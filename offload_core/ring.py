@@ -48,9 +48,8 @@ class LayerOrder:
         self._seen: set = set()
 
     def add(self, key: Hashable) -> None:
-        """Appends `key` once, in one line (a put that Ctrl-C stopped after this adds it again)."""
-        if key not in self._index:
-            self.order, self._index[key] = [*self.order, key], len(self.order)
+        self._index[key] = len(self.order)
+        self.order.append(key)
 
     def observe(self, key: Hashable) -> None:
         if self._pass and self._pass[-1] == key:

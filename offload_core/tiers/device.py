@@ -40,7 +40,7 @@ class DeviceTier(Tier):
     def drop(self, key: Hashable) -> None:
         old = self._layers.get(key)
         if old is not None:
-            self._bytes, _ = self._bytes - old[3].tensor_bytes, self._layers.pop(key)
+            self._bytes, _ = self._bytes - old[3].tensor_bytes, self._layers.pop(key)  # one line: uncounted as it goes
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         # These are the cache itself, not a copy: a consumer that wrote into them would change every later
