@@ -6,6 +6,8 @@
   `pin_memory` / `unpin_memory`, so ComfyUI accounts for every page we lock. On `--cpu` and Apple
   `pin_memory` refuses and the engine degrades to pageable memory.
 - streams: ComfyUI's offload stream pool (`get_offload_stream`), shared with weight casting; none on CPU.
+- allocations: ComfyUI 0.34+ records each block's device allocations and replays them (its compiler, "malloc
+  graphs"); the stores allocate under its `pause_malloc_graph`, so none of their buffers belongs to a block.
 - files: a private directory per run (`RunDir`: random name, mode 0700) in a `kv_offload_cache` folder beside
   ComfyUI's temp directory -- the same disk, but outside the temp, output and input folders that ComfyUI's
   `/view` serves to any client, so no client can download the cache even if it learns a path. Each run's
@@ -150,7 +152,8 @@ def comfy_host_services(patcher=None) -> HostServices:
 
     def pin(tensor) -> bool:
         budget = getattr(mm, "ensure_pin_budget", None)
-        if budget is not None and not budget(tensor.nbytes):
+        # never by evicting the pins of the model that is sampling (ComfyUI's own prefix cache asks the same way)
+        if budget is not None and not budget(tensor.nbytes, evict_active=False):
             return False
         return bool(mm.pin_memory(tensor))
 
@@ -163,4 +166,13 @@ def comfy_host_services(patcher=None) -> HostServices:
         return mm.get_offload_stream(device)
 
     return HostServices(free_device_memory=free_device_memory, free_host_memory=free_host_memory,
-                        pin=pin, unpin=unpin, stream=stream, temp_dir=RunDir())
+                        pin=pin, unpin=unpin, stream=stream, temp_dir=RunDir(), pause_graph=pause_graph())
+
+
+def pause_graph():
+    """ComfyUI's `pause_malloc_graph` (0.34+: its compiler records each block's device allocations), else None."""
+    try:
+        import comfy.model_prefetch as mp
+    except ImportError:  # v0.33: no compiler
+        return None
+    return getattr(mp, "pause_malloc_graph", None)

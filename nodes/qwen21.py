@@ -21,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ..offload_core.config import Mode
+from ..offload_core.layout import stacked
 from .branch import BranchCache
 from .cache_dtype import storage_for_qwen21
 from .keys import OUR_PATCH, QWEN21_OFF, QWEN21_OPTIONS, RUN_KEY
@@ -127,15 +128,21 @@ class PrefixStoreCache:
         self._fresh[i] = t  # the capture reads it back at once: serve the model's own tensor
 
     def take(self, i: int, device, dtype, batch_size: int) -> torch.Tensor:
+        """Block i's stacked K/V, read-only, valid until the next `take`: the model holds it into block i + 1,
+        so it is the store's own memory (a view of the pair it serves), never a tensor made in block i."""
         t = self._fresh.pop(i, None)
         if t is None or self.run.config.storage != "exact":
             # Lossy storage: the capture attends to the decoded prefix too, as every later pass and a reuse
             # hit do, so the image does not depend on whether the prefix was just made or kept.
             k, v = self.run.get(self.entry, i)
-            t = torch.stack([k, v], dim=1)  # a copy: the store's buffers are reused by its next get
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        return repeat_to_batch_size(t, batch_size)
+            t = stacked(k, v)
+            if t is None:  # a store that serves K and V apart: a copy, made outside the block's allocations
+                with self.run.paused():
+                    t = torch.stack([k, v], dim=1)
+        if (dtype is not None and t.dtype != dtype) or t.shape[0] != batch_size:
+            with self.run.paused():  # a model asking for another dtype or batch than it put: a copy per take
+                t = repeat_to_batch_size(t.to(dtype or t.dtype), batch_size)
+        return t
 
     def prefetch(self, i: int, device=None, dtype=None) -> None:
         return None

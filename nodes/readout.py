@@ -43,6 +43,9 @@ class Readout:
     def forward_done(self) -> None:
         """After each forward."""
 
+    def note(self, text: str) -> None:
+        """Say `text` with the run (e.g. why the cache stepped aside), in every payload until the run ends."""
+
     def run_finished(self, run_id: str) -> None:
         """The run `run_id` ended (completed, interrupted or failed)."""
 
@@ -79,6 +82,9 @@ class GuardedReadout(Readout):
 
     def forward_done(self) -> None:
         self._call("forward_done", lambda: self.inner.forward_done())
+
+    def note(self, text: str) -> None:
+        self._call("note", lambda: self.inner.note(text))
 
     def run_finished(self, run_id: str) -> None:
         self._call("run_finished", lambda: self.inner.run_finished(run_id))

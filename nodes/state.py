@@ -14,6 +14,7 @@ This module imports no ComfyUI.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import uuid as _uuid
@@ -210,6 +211,12 @@ class RunState:
         if did is not None:
             did.add(phase)
 
+    def paused(self):
+        """A context in which this thread's device allocations are not recorded by the host's allocation graph
+        (`HostServices.pause_graph`): for a tensor a family makes inside a block that must outlive the block."""
+        pause = getattr(self.host, "pause_graph", None)
+        return pause() if pause is not None else contextlib.nullcontext()
+
     # --- stores -------------------------------------------------------------------------------------------
     def unique_name(self, label: str) -> str:
         """"cond", "uncond", "cond 2", ...: unique among this run's live stores (the readout keys by name)."""
@@ -249,6 +256,7 @@ class RunState:
                 return
             self.stood_down = reason
             log.warning("KV Offload: %s; the reference K/V is recomputed every step for this run.", reason)
+        self.telemetry.note(f"stood down: {reason}; the reference K/V is recomputed every step for this run")
         self.forward = None
         busy = {u for fwd in list(self._active.values()) for u in fwd.uuids}
         errors = self._close_branches([u for u in list(self.branches) if u not in busy])

@@ -8,6 +8,7 @@ Lifecycle, driven by the model patches (never by a thread of our own):
     TELEMETRY.step()                  # before each diffusion-model forward
     TELEMETRY.progress()              # inside a forward, e.g. after each captured layer
     TELEMETRY.forward_done()          # after each forward: refreshes every store's figures, closes the capture
+    TELEMETRY.note(text)              # a line the run says of itself (why the cache stepped aside), until it ends
     TELEMETRY.run_finished(run_id)    # one final push ("final", with a "release" mark), then idle
 
 `step`, `progress` and `forward_done` push at most 4 times a second, all together: a capture step that takes
@@ -92,6 +93,7 @@ class TelemetryHub(Readout):
         self._marks: list = []  # [{what, start_s, end_s}] of the current run
         self._capture: Optional[dict] = None  # the open capture mark
         self._sections: dict = {}  # payload key -> weakref to an object with summary()
+        self._notes: list = []  # what the run says of itself (the cache stepped aside, the compiler turned off)
 
     def set_device(self, device) -> None:
         """Report memory of `device` (e.g. ComfyUI's torch device) when no tracked store names one."""
@@ -157,6 +159,12 @@ class TelemetryHub(Readout):
             self._end_capture()
             self._push_or_refresh()
 
+    def note(self, text: str) -> None:
+        """Show `text` under the run (`run.notes`) until it ends; pushed with the next payload."""
+        with self._lock:
+            if self._run_id is not None and text not in self._notes:
+                self._notes.append(str(text))
+
     def run_finished(self, run_id: Optional[str] = None) -> None:
         """Push one final snapshot of the run and go idle. A finish for another run id is ignored."""
         with self._lock:
@@ -212,7 +220,7 @@ class TelemetryHub(Readout):
             "time": time.time(),
             "run": {"id": self._run_id, "node": self._node, "active": event in ("start", "step"),
                     "forwards": self._forwards if self._run_id else None, "elapsed_s": self._elapsed(),
-                    "marks": [dict(m) for m in self._marks]},
+                    "marks": [dict(m) for m in self._marks], "notes": list(self._notes)},
             "memory": memory,
             "stores": stores,
             "totals": totals(stores, self._forwards),
@@ -266,6 +274,9 @@ class NodeTelemetry(Readout):
 
     def forward_done(self) -> None:
         self.hub.forward_done()
+
+    def note(self, text: str) -> None:
+        self.hub.note(text)
 
     def run_finished(self, run_id: Optional[str] = None) -> None:
         self.hub.run_finished(run_id)

@@ -203,8 +203,9 @@ class PoseStoreCache:
         w = self.window
         if w is None or self.run.stood_down:
             # A context-window prepass reads these back in this forward; a copy of row 0, not a view that would
-            # keep every block's whole batch alive until the next select.
-            self._fresh[i] = t.clone()
+            # keep every block's whole batch alive until the next select (nor a tensor of this block's).
+            with self.run.paused():
+                self._fresh[i] = t.clone()
             return
         half = (t.shape[1] + 1) // 2
         k, v = t[:, :half], t[:, half:]
@@ -213,7 +214,8 @@ class PoseStoreCache:
             self._open_store(w, branch, k, v)
         self.run.put(w.sid, i, k, v, label=w.name)
         if self.run.stood_down:  # the store could not take it (disk full): recompute from here on
-            self._fresh[i] = t.clone()
+            with self.run.paused():
+                self._fresh[i] = t.clone()
         elif len(branch.layers) == self.n_blocks:
             self.fills += 1
 

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .compiler import compiler_for_run
 from .keys import RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY
 from .patches import MULTI_GPU_KEY, live_run
 from .readout import Readout, guarded
@@ -104,11 +105,21 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
     """DIFFUSION_MODEL wrapper: brackets one forward (per cond batch per step) for the run state."""
     to = _transformer_options(args, kwargs)
     run = live_run(to)
+    if run is not None and capturing():
+        run.stand_down("the forward runs under CUDA graph capture, which replays recorded kernels and cannot "
+                       "wait for a layer's copy; turn off the CUDA graphs (e.g. torch.compile's reduce-overhead "
+                       "mode) to offload the cache")
+        run = None
     if run is None:
         return executor(*args, **kwargs)
     run.serve(to.get(MULTI_GPU_KEY), getattr(executor, "class_obj", None))  # ComfyUI's executor: the model
     run.step(_device(args))
     return run_then(executor, args, kwargs, run.end_forward)  # a half-captured cond is dropped, never served
+
+
+def capturing() -> bool:
+    """True inside a CUDA graph capture (torch's `is_current_stream_capturing` raises where CUDA is absent)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _device(args) -> Optional[torch.device]:
@@ -135,7 +146,8 @@ def outer_wrapper(spec: RunSpec):
         to[RUN_KEY] = run
         spec.family.attach(run, to, spec.n_layers)
         run.telemetry.run_started(run.run_id)
-        return run_then(executor, args, kwargs, lambda ok: _end_run(guider, orig, run, ok))
+        with compiler_for_run(run.telemetry.note):
+            return run_then(executor, args, kwargs, lambda ok: _end_run(guider, orig, run, ok))
 
     outer_sample_wrapper.kv_offload = True
     outer_sample_wrapper.spec = spec  # what a reader (or a test) of the patched MODEL finds the node decided

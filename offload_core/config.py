@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 
@@ -228,6 +228,9 @@ class HostServices:
     unpin(tensor): undo `pin`. Called once for every tensor `pin` accepted, before it is freed.
     stream(device) -> a side stream for copies (None: the engine creates its own).
     temp_dir() -> directory under which a file tier creates its private temp directory.
+    pause_graph() -> a context manager inside which the host does not record this thread's device allocations
+        (ComfyUI's `pause_malloc_graph`: its compiler records each block's allocations and replays them). Every
+        `put` and `get` runs inside it, so no buffer of the store belongs to a block, whichever block asked.
     """
 
     free_device_memory: Optional[Callable[[torch.device], Optional[int]]] = None
@@ -236,6 +239,7 @@ class HostServices:
     unpin: Optional[Callable[[torch.Tensor], object]] = None
     stream: Optional[Callable[[torch.device], object]] = None
     temp_dir: Optional[Callable[[], str]] = None
+    pause_graph: Optional[Callable[[], ContextManager]] = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -253,4 +257,5 @@ _EXAMPLES = {
     "free_host_memory": "lambda: psutil.virtual_memory().available",
     "pin": "lambda tensor: False", "unpin": "lambda tensor: None",
     "stream": "lambda device: None", "temp_dir": "tempfile.gettempdir",
+    "pause_graph": "contextlib.nullcontext",
 }

@@ -74,13 +74,15 @@ _InferenceMode = getattr(torch._C, "_InferenceMode", None)
 
 
 def one_consumer(method):
-    """Lets only the store's consumer thread (the first to put or get) in, one call at a time."""
+    """Lets only the store's consumer thread (the first to put or get) in, one call at a time, outside the host's
+    allocation graph (`HostServices.pause_graph`): what a put or get allocates on the device outlives the block
+    that asked for it, so a host recording each block's allocations must not count it as the block's."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if self._owner.generation != _generation:  # a forked child: nothing of the parent's is touched
             self._owner.check(method.__name__, self.name)
         self._consumer.claim(method.__name__, self.name)
-        with self._busy:
+        with self._busy, self._paused():
             return method(self, *args, **kwargs)
     return wrapper
 

@@ -13,7 +13,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -141,6 +141,17 @@ def typed_views(buffer: TypedViews, layout: LayerLayout) -> Tuple[torch.Tensor, 
     if CHECK_VIEWS:
         check_within(buffer.flat, out, layout, 0)
     return out[0], out[1]
+
+
+def stacked(k: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+    """K and V as one (B, 2, ...) tensor, as `torch.stack([k, v], dim=1)` would give, but a view without a copy:
+    for a pair the store serves from one buffer (V after K, alike in dtype and shape, both contiguous). None for
+    any other pair."""
+    gap, size = v.data_ptr() - k.data_ptr(), k.element_size()
+    if (k.dtype != v.dtype or k.shape != v.shape or k.dim() == 0 or gap < 0 or gap % size or not k.is_contiguous()
+            or not v.is_contiguous() or k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()):
+        return None
+    return k.as_strided((k.shape[0], 2, *k.shape[1:]), (k.stride(0), gap // size, *k.stride()[1:]))
 
 
 # Every view handed out is also checked against the buffer's address range (`check_within`): set by the tests

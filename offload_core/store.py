@@ -15,6 +15,7 @@ the codec) and broadcast into the slot at `get`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Dict, Hashable, Optional, Tuple
@@ -62,6 +63,7 @@ class KVStore:
         self.device = _check_args(config, device, expected_bytes)
         self.config, self.name = config, name
         self._host = host or HostServices()
+        self._paused = self._host.pause_graph or contextlib.nullcontext
         self._expected = expected_bytes
         self._unified = unified_memory_reason(self.device)
         self._compact = Compact(codec_for(config.storage), f"KV offload{self._tag}")

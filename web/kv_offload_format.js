@@ -116,6 +116,8 @@ export function storeRows(store) {
 export function buildReadout(payload) {
   const sections = [{ title: "status", rows: [row("run", statusLine(payload), null)] }];
   if (!payload || payload.v !== PAYLOAD_VERSION) return sections;
+  // What the run says of itself: the cache stepped aside, ComfyUI's compiler turned off for the run.
+  for (const note of Array.isArray(payload.run?.notes) ? payload.run.notes : []) sections[0].rows.push(row("note", note, null));
   const memory = [...deviceNotes(payload.memory), ...memoryBars(payload).flatMap(barRows)];
   sections.push({ title: "memory", rows: memory });
   // Multi-GPU sampling: each device with its own memory and the KV its stores keep (rows under "devices").

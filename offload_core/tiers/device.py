@@ -29,10 +29,13 @@ class DeviceTier(Tier):
         self._bytes = 0
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
-        # A contiguous clone: owns its memory, so neither a larger parent tensor is kept alive nor can a later
-        # in-place change by the caller reach the cache.
-        k, v = (k.detach().clone(memory_format=torch.contiguous_format),
-                v.detach().clone(memory_format=torch.contiguous_format))
+        # A copy into one buffer of its own, V right after K: it owns its memory, so neither a larger parent tensor
+        # is kept alive nor can a later in-place change by the caller reach the cache; and a consumer that wants the
+        # pair stacked gets a view of it (`layout.stacked`), not a copy per get.
+        k_bytes = k.numel() * k.element_size()
+        v_at = -(-k_bytes // v.element_size()) * v.element_size()
+        flat = torch.empty(v_at + v.numel() * v.element_size(), dtype=torch.uint8, device=k.device)
+        k, v = (_place(flat, 0, k), _place(flat, v_at, v))
         old = self._layers.get(key)  # a put that Ctrl-C stopped after this, repeated: the copy replaces it
         self._layers[key], self._bytes = ((k, v, k._version + v._version, layout),
                                           self._bytes + layout.tensor_bytes - (old[3].tensor_bytes if old else 0))
@@ -65,3 +68,10 @@ class DeviceTier(Tier):
     def close(self) -> None:
         self._layers.clear()
         self._bytes = 0
+
+
+def _place(flat: torch.Tensor, at: int, t: torch.Tensor) -> torch.Tensor:
+    """`t` copied into `flat` from byte `at`, as a contiguous view of the same dtype and shape."""
+    out = flat[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out.copy_(t.detach())
+    return out

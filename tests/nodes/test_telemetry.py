@@ -62,7 +62,7 @@ def test_one_final_snapshot_then_snapshot_serves_it_without_sending(hub):
     final = hub.sender.messages[-1][1]
     assert final["v"] == T.PAYLOAD_VERSION
     assert final["run"] == {"id": "r1", "node": None, "active": False, "forwards": 5,
-                            "elapsed_s": pytest.approx(0.51), "marks": []}
+                            "elapsed_s": pytest.approx(0.51), "marks": [], "notes": []}
     n = len(hub.sender.messages)
     for _ in range(3):
         assert hub.snapshot() == final

@@ -257,3 +257,12 @@ test("a multi-GPU run shows each device with its memory and the KV its stores ke
   assert.equal(cpu["devices/cpu"].value, "cpu: no separate device memory \u00b7 KV \u2014 in 0 stores \u00b7 wait \u2014");
   assert.equal(cpu["devices/cpu:1"].value, "\u2014: no separate device memory \u00b7 KV \u2014 in 0 stores \u00b7 wait \u2014");
 });
+
+test("the run's notes (a cache that stepped aside, the compiler turned off) show under its status", () => {
+  const payload = cudaPayload();
+  payload.run = { ...payload.run, notes: ["ComfyUI's compiler is off for this run: reason"] };
+  const status = buildReadout(payload)[0];
+  assert.deepEqual(status.rows.map((r) => [r.label, r.value]).slice(1),
+                   [["note", "ComfyUI's compiler is off for this run: reason"]]);
+  assert.equal(buildReadout(cudaPayload())[0].rows.length, 1, "no notes, no rows");
+});
