@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from malloc_graph import model_prefetch
+
 
 class TinyDiT(torch.nn.Module):
     def __init__(self, hidden=32, heads=2, double=2, single=2, seed=0, device="cpu"):
@@ -40,17 +42,27 @@ class TinyDiT(torch.nn.Module):
             out = p({"img": x_img, "txt": txt, "img_ids": None, "txt_ids": None, "transformer_options": to})
             x_img, txt = out["img"], out["txt"]
         x = torch.cat([txt, x_img], dim=1)
+        # The block loop as a model under ComfyUI's compiler runs it (Qwen-Image 2.1's, comfy/ldm/qwen_image21): a
+        # graph around the blocks, one allocation scope per block, the hidden state updated in place.
+        mp = model_prefetch()
+        mp.malloc_graph_begin(x.device)
         for (btype, bidx), w_qkv, w_proj in zip(self.blocks, self.qkv, self.proj):
+            mp.prefetch_queue_pop(None, x.device, (btype, bidx), x.dtype, malloc_scope="block")
             to["block_type"], to["block_index"] = btype, bidx
-            B, L, C = x.shape
-            q, k, v = (x @ w_qkv).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            extra = dict(to)
-            for p in to.get("patches", {}).get("attn1_patch", []):
-                out = p(q, k, v, pe=None, attn_mask=None, extra_options=extra)
-                q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
-            a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C)
-            x = x + torch.tanh(a @ w_proj)
+            self._block(x, w_qkv, w_proj, to)
+        mp.prefetch_queue_pop(None, x.device, None, malloc_scope="block")
+        mp.malloc_graph_end()
         return x[:, txt.shape[1]:txt.shape[1] + n_img]
+
+    def _block(self, x, w_qkv, w_proj, to):
+        B, L, C = x.shape
+        q, k, v = (x @ w_qkv).view(B, L, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        extra = dict(to)
+        for p in to.get("patches", {}).get("attn1_patch", []):
+            out = p(q, k, v, pe=None, attn_mask=None, extra_options=extra)
+            q, k, v = out.get("q", q), out.get("k", k), out.get("v", v)
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, L, C)
+        x.add_(torch.tanh(a @ w_proj))
 
 
 class FluxKVCacheReference:

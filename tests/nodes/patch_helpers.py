@@ -35,6 +35,9 @@ class Recorder:
     def forward_done(self):
         self.calls.append("done")
 
+    def note(self, text):
+        self.calls.append("note")
+
     def run_finished(self, run_id):
         self.calls.append("final")
 

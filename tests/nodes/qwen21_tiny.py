@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from malloc_graph import model_prefetch
 from nodes_tiny import TinyDiT, _repeat
 
 
@@ -87,34 +88,47 @@ class Tiny21(torch.nn.Module):
 
     def _attend(self, i, x, q, k, v):
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return x + torch.tanh(a.transpose(1, 2).reshape(x.shape) @ self.proj[i])
+        return x.add_(torch.tanh(a.transpose(1, 2).reshape(x.shape) @ self.proj[i]))  # in place, as upstream's blocks
 
     def _forward(self, img, ref, txt, transformer_options):
+        """The call sequence of the upstream model's `_forward`: the prefix cache selected, then a malloc graph
+        around the block loop (one scope per block, the capture's prefix pass paused), each block's K/V taken
+        before its compute and the next block's prefetched on cached passes."""
         to = transformer_options
         B, n_img = img.shape[0], img.shape[1]
         prefix = torch.cat([txt, ref], dim=1)
-        P = prefix.shape[1]
         patches = to.get("patches", {})
         hooked = patches.get("attn1_patch") or patches.get("post_input")
         cache, cached = None, False
         if self.prefix_cache_enabled and not hooked:
             key = torch.cat([prefix.flatten(1), torch.tensor([[float(n_img)]], device=prefix.device).expand(B, 1)], dim=1)
             cache, cached = self.select_prefix_cache(key, 0, img.device, to.get("qwen_image21_cache", {}))
-        x = img
+        x = img.clone()  # updated in place by every block
+        mp = model_prefetch()
+        queue = mp.make_prefetch_queue(list(self.transformer_blocks), img.device, to)
+        mp.malloc_graph_begin(img.device)
         for i in range(len(self.transformer_blocks)):
-            if cache is not None:
-                if not cached:
+            mp.prefetch_queue_pop(queue, img.device, ("block", i), img.dtype, malloc_scope="block")
+            self._block(i, x, prefix, cache, cached, mp)
+        mp.prefetch_queue_pop(queue, img.device, None, malloc_scope="block")
+        mp.malloc_graph_end()
+        return x
+
+    def _block(self, i, x, prefix, cache, cached, mp):
+        B = x.shape[0]
+        if cache is not None:
+            if not cached:
+                with mp.pause_malloc_graph():
                     pq, pk, pv = self._qkv(i, prefix)
                     cache.put(i, torch.stack([pk, pv], dim=1))
-                    prefix = self._attend(i, prefix, pq, pk, pv)
-                ck, cv = cache.take(i, img.device, img.dtype, B).unbind(1)
-                if cached:
-                    cache.prefetch(i + 1, img.device, img.dtype)
-                q, k, v = self._qkv(i, x)
-                x = self._attend(i, x, q, torch.cat([ck, k], 1), torch.cat([cv, v], 1))
-            else:
-                pq, pk, pv = self._qkv(i, prefix)
-                q, k, v = self._qkv(i, x)
-                x = self._attend(i, x, q, torch.cat([pk, k], 1), torch.cat([pv, v], 1))
-                prefix = self._attend(i, prefix, pq, pk, pv)
-        return x
+                    self._attend(i, prefix, pq, pk, pv)
+            ck, cv = cache.take(i, x.device, x.dtype, B).unbind(1)
+            if cached:
+                cache.prefetch(i + 1, x.device, x.dtype)
+            q, k, v = self._qkv(i, x)
+            self._attend(i, x, q, torch.cat([ck, k], 1), torch.cat([cv, v], 1))
+        else:
+            pq, pk, pv = self._qkv(i, prefix)
+            q, k, v = self._qkv(i, x)
+            self._attend(i, x, q, torch.cat([pk, k], 1), torch.cat([pv, v], 1))
+            self._attend(i, prefix, pq, pk, pv)

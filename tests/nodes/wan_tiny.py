@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn.functional as F
 
+from malloc_graph import model_prefetch
 from nodes_tiny import Guider, _repeat, through_model_wrappers, through_outer_wrappers
 
 
@@ -55,7 +56,7 @@ class TinyWanAnimate2(torch.nn.Module):
     def forward_pose(self, i, x_pose):
         wq, _, _, wo = self.pose_w[i]
         k, v = self.kv_from_input(i, x_pose)
-        return x_pose + torch.tanh(self._attend(x_pose @ wq, k, v) @ wo), k, v
+        return x_pose.add_(torch.tanh(self._attend(x_pose @ wq, k, v) @ wo)), k, v  # in place
 
     def forward_gen(self, i, x, txt, k_pose, v_pose):
         wq, wk, wv, wo = self.gen_w[i]
@@ -63,7 +64,7 @@ class TinyWanAnimate2(torch.nn.Module):
         k, v = kv @ wk, kv @ wv
         if k_pose is not None:
             k, v = torch.cat([k, k_pose], dim=1), torch.cat([v, v_pose], dim=1)
-        return x + torch.tanh(self._attend(x @ wq, k, v) @ wo)
+        return x.add_(torch.tanh(self._attend(x @ wq, k, v) @ wo))  # in place
 
     def _forward(self, x, pose_latents, txt, transformer_options):
         to = transformer_options
@@ -79,21 +80,32 @@ class TinyWanAnimate2(torch.nn.Module):
                 cache.put(i, x_pose)
                 x_pose = self.forward_pose(i, x_pose)[0]
             x_pose, cached = None, True
+        # A graph around the blocks, one allocation scope each, as ComfyUI's compiler runs a model (see nodes_tiny)
+        x = x.clone()
+        mp = model_prefetch()
+        mp.malloc_graph_begin(x.device)
         for i in range(len(self.blocks)):
+            mp.prefetch_queue_pop(None, x.device, ("block", i), x.dtype, malloc_scope="block")
             if self.fail_at == (self.forwards, i):
                 raise KeyboardInterrupt("interrupted mid-forward")
-            if not apply_pose:
-                k_pose = v_pose = None
-            elif cached:
-                x_pose_in = cache.take(i, x.device, x.dtype, x.shape[0])
-                cache.prefetch(i + 1, x.device, x.dtype)
-                k_pose, v_pose = self.kv_from_input(i, x_pose_in)
-            else:
-                if cache is not None:
-                    cache.put(i, x_pose)
-                x_pose, k_pose, v_pose = self.forward_pose(i, x_pose)
-            x = self.forward_gen(i, x, txt, k_pose, v_pose)
+            self._block(i, x, x_pose, txt, cache if apply_pose else None, cached)
+        mp.prefetch_queue_pop(None, x.device, None, malloc_scope="block")
+        mp.malloc_graph_end()
         return x
+
+    def _block(self, i, x, x_pose, txt, cache, cached):
+        """Block i: `x` (and `x_pose` on a filling pass) updated in place."""
+        if x_pose is None and not cached:  # no pose latents this step
+            k_pose = v_pose = None
+        elif cached:
+            x_pose_in = cache.take(i, x.device, x.dtype, x.shape[0])
+            cache.prefetch(i + 1, x.device, x.dtype)
+            k_pose, v_pose = self.kv_from_input(i, x_pose_in)
+        else:
+            if cache is not None:
+                cache.put(i, x_pose)
+            _, k_pose, v_pose = self.forward_pose(i, x_pose)
+        self.forward_gen(i, x, txt, k_pose, v_pose)
 
 
 class ComfyPoseCache:
