@@ -1,11 +1,17 @@
 """The store's contract, once for every tier: put once, get many (bit-identical), close leaves nothing."""
 
+import contextlib
+import dataclasses
 import os
+from unittest import mock
 
 import pytest
 import torch
 
-from offload_core import KVStore, OffloadConfig
+from offload_core import HostServices, KVStore, OffloadConfig
+from offload_core.layers import Layers
+from offload_core.layout import stacked
+from offload_core.ring import SlotRing
 
 from store_helpers import PLANS, TIERS, config_for, make_layers, put_all
 
@@ -262,3 +268,42 @@ def test_layers_of_growing_and_shrinking_sizes_and_dtypes_come_back_exact(mode, 
     with KVStore(config_for(mode, tmp_path), "cpu") as store:
         for k, v, got_k, got_v in put_then_get(store, layers, passes=3):
             assert got_k.dtype == k.dtype and torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+@pytest.mark.parametrize("storage", ["exact", "int8"])
+@pytest.mark.parametrize("mode", TIERS)
+def test_puts_and_gets_run_inside_the_hosts_pause_and_serve_a_pair_that_stacks_as_a_view(mode, storage, tmp_path):
+    """A host that records each block's device allocations (ComfyUI's compiler) sees none of the store's; what a
+    get serves stacks as `torch.stack([k, v], dim=1)` without a copy (Qwen-Image 2.1 takes the pair stacked)."""
+    inside = []
+
+    @contextlib.contextmanager
+    def pause_graph():
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    keys = list(range(5))
+    layers = make_layers(keys, torch.bfloat16, shape=(2, 37, 3, 8))  # odd token count, two identical rows below
+    layers[0] = (layers[0][0][:1].expand(2, -1, -1, -1).clone(), layers[0][1][:1].expand(2, -1, -1, -1).clone())
+    config = dataclasses.replace(config_for(mode, tmp_path), storage=storage)
+    seen = []
+
+    def watched(real):
+        def call(*a):
+            seen.append(bool(inside))
+            return real(*a)
+        return call
+
+    with mock.patch.object(SlotRing, "serve", watched(SlotRing.serve)), \
+            mock.patch.object(Layers, "add", watched(Layers.add)), KVStore(config, "cpu", host=HostServices(pause_graph=pause_graph)) as store:
+        put_all(store, layers)
+        for _ in range(2):
+            for key in keys:
+                k, v = store.get(key)
+                both = stacked(k, v)
+                assert both is not None and both.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+                assert torch.equal(both, torch.stack([k, v], dim=1))
+    assert len(seen) == len(keys) * 3 and all(seen) and not inside  # every put and get

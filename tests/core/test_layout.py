@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload_core.layout import _runs, copy_in, copy_range, layout_for
+from offload_core.layout import _runs, copy_in, copy_range, layout_for, stacked
 
 SHAPES = [
     ("contiguous", lambda t: t),
@@ -120,3 +120,17 @@ def test_a_tier_refuses_to_load_into_a_slot_too_small(mode, tmp_path):
         with pytest.raises(ValueError, match="does not fit"):
             tier.load(0, torch.zeros(4096, dtype=torch.uint8), store._res.ring.slots[0].release)
         assert torch.equal(store.get(0)[0], k)  # the store serves on as before
+
+
+def test_only_a_pair_kept_in_one_buffer_stacks_as_a_view():
+    flat = torch.zeros(4096 * 2, dtype=torch.uint8)
+    k, v = flat[:24].view(torch.float32).view(1, 2, 3), flat[4096:4120].view(torch.float32).view(1, 2, 3)
+    k.copy_(torch.arange(6.0).view(1, 2, 3))
+    v.copy_(-torch.arange(6.0).view(1, 2, 3))
+    both = stacked(k, v)
+    assert torch.equal(both, torch.stack([k, v], dim=1)) and both.untyped_storage().data_ptr() == flat.data_ptr()
+    apart = torch.zeros(1, 2, 3)
+    assert stacked(k, apart) is None  # another buffer
+    assert stacked(v, k) is None  # V before K
+    assert stacked(k, flat[4096:4120].view(torch.int32).view(1, 2, 3)) is None  # another dtype
+    assert stacked(k, flat[4096:4120].view(torch.float32).view(1, 3, 2)) is None  # another shape

@@ -152,7 +152,7 @@ def test_gpu_tier_refuses_a_layer_written_after_a_later_get():
             store.get(0)
 
 
-@pytest.mark.parametrize("field", ["free_device_memory", "free_host_memory", "stream", "temp_dir"])
+@pytest.mark.parametrize("field", ["free_device_memory", "free_host_memory", "stream", "temp_dir", "pause_graph"])
 @pytest.mark.parametrize("value", [5, "/tmp"])
 def test_host_services_must_be_callables(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be a callable or None; got {value!r}"):
