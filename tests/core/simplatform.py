@@ -25,13 +25,17 @@ Everything else goes to the real `os` at call time (so tests that patch `os.pwri
 from __future__ import annotations
 
 import errno
-import fcntl as real_fcntl
 import os
 import struct
 import threading
 from typing import Dict, List, Set
 
 from offload_core.tiers import fileos
+
+try:  # the stand-ins are built on a Linux host's own calls (flock, O_DIRECT, posix_fallocate)
+    import fcntl as real_fcntl
+except ImportError:  # Windows: the suites run on that system's own calls only
+    real_fcntl = None
 
 ABSENT = {
     "macos": {"fdatasync", "posix_fadvise", "posix_fallocate", "O_DIRECT", "POSIX_FADV_DONTNEED"},
@@ -40,7 +44,9 @@ ABSENT = {
                 "O_NONBLOCK", "readinto"},
 }
 PLATFORM = {"macos": "darwin", "windows": "win32"}
-SYSTEMS = ["linux", "macos", "windows"]
+# 'linux' is this machine's own system; the other two are stand-ins, where this machine can host them.
+SYSTEMS = ["linux", "macos", "windows"] if real_fcntl is not None and hasattr(os, "O_DIRECT") else ["linux"]
+NO_STAND_INS = "the macOS and Windows stand-ins run on a Linux host (they are built on its flock and O_DIRECT)"
 
 
 def _busy(path: str) -> PermissionError:
@@ -153,14 +159,15 @@ class SimOS:
 class SimFcntl:
     """macOS `fcntl`: `flock` as on Linux; `F_NOCACHE` and `F_PREALLOCATE` as the kernel takes them."""
 
-    LOCK_EX, LOCK_NB, LOCK_UN, LOCK_SH = real_fcntl.LOCK_EX, real_fcntl.LOCK_NB, real_fcntl.LOCK_UN, real_fcntl.LOCK_SH
-    F_GETFL, F_SETFL = real_fcntl.F_GETFL, real_fcntl.F_SETFL
-
     def __init__(self):
+        self.LOCK_EX, self.LOCK_NB, self.LOCK_UN, self.LOCK_SH = (real_fcntl.LOCK_EX, real_fcntl.LOCK_NB,
+                                                                  real_fcntl.LOCK_UN, real_fcntl.LOCK_SH)
+        self.F_GETFL, self.F_SETFL = real_fcntl.F_GETFL, real_fcntl.F_SETFL
         self.nocache: Set[int] = set()
         self.preallocated = 0
 
-    flock = staticmethod(real_fcntl.flock)
+    def flock(self, fd, operation):
+        return real_fcntl.flock(fd, operation)
 
     def fcntl(self, fd, cmd, arg=0):
         if cmd == fileos.F_NOCACHE:

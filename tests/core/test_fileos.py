@@ -12,6 +12,8 @@ from filestores import MODES, file_store, layers
 from offload_core import KVFileError, KVWriteError, OffloadConfig
 from offload_core.tiers import fileio, fileos
 
+pytestmark = pytest.mark.skipif(simplatform.SYSTEMS == ["linux"], reason=simplatform.NO_STAND_INS)
+
 PAGE_CACHE = {"linux": ("o_direct", "fadvise"), "macos": ("f_nocache",), "windows": ("no_buffering",)}
 
 
