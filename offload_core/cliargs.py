@@ -31,8 +31,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the options)\n")
 
 
-def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> None:
-    """Accept `old` for one release as another name of option `new` (same value); using it says so on stderr."""
+def deprecated_alias(parser, old: str, new: str) -> None:
+    """Accept `old` for one release as another name of option `new` (same value); using it says so on stderr.
+    `parser`: the parser, or the mutually exclusive group that also holds `new`, so that giving both is refused."""
 
     class Alias(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):

@@ -85,7 +85,7 @@ def select_rows(spec: str | None) -> list[Row]:
     """Rows named by a comma-separated `--modes` value (None: the verdict's rows; "all": every row), in table order."""
     if spec is None:
         return [row for row in ALL_ROWS if row.key in VERDICT_KEYS]
-    if spec.strip() in ("", "all"):
+    if spec.strip() == "all":
         return list(ALL_ROWS)
     by_key = {row.key: row for row in (*ALL_ROWS, *_EXTRA_ROWS)}
     wanted: set[str] = set()

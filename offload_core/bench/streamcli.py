@@ -46,8 +46,9 @@ def build_parser() -> cliargs.Parser:
                    help="size of the raw patterns' destination ring, MiB (default: max(4, in flight) requests)")
     p.add_argument("--sweep-mib", type=int, default=256,
                    help="file size of each raw sweep pattern, MiB (default 256; at most the cache's size)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default {','.join(MODES)})")
-    cliargs.deprecated_alias(p, "--tiers", "--modes")
+    modes = p.add_mutually_exclusive_group()  # --tiers is --modes by its old name: not both
+    modes.add_argument("--modes", default=",".join(MODES), help=f"comma-separated modes (default {','.join(MODES)})")
+    cliargs.deprecated_alias(modes, "--tiers", "--modes")
     p.add_argument("--prefetch-depth", type=int, default=2,
                    help=f"prefetch depth of the async modes, 1 to {MAX_PREFETCH_DEPTH} (default 2)")
     p.add_argument("--compute-ratio", type=float, default=1.5,
@@ -61,8 +62,11 @@ def build_parser() -> cliargs.Parser:
 def check(args, parser) -> None:
     """Every option, before anything is allocated or written; a bad one exits 2 with one line."""
     cliargs.output_file(parser, "--json", args.json)  # first: a run must never end with nowhere to write
+    cliargs.at_least(parser, "--cache-mib", args.cache_mib, 1)
     if args.layer_mib < 1 or args.cache_mib < args.layer_mib:
         parser.error(f"--layer-mib must be >= 1 and <= --cache-mib; got {args.layer_mib} and {args.cache_mib}.")
+    if not 1 <= args.sweep_mib <= 1 << 16:
+        parser.error(f"--sweep-mib must be between 1 and 65536; got {args.sweep_mib}.")
     if not 1 <= args.rounds <= 20:
         parser.error(f"--rounds must be between 1 and 20; got {args.rounds}.")
     if not 0 <= args.compute_ratio <= 100:
@@ -76,14 +80,12 @@ def check(args, parser) -> None:
     if args.dir is not None and not os.path.isdir(args.dir):
         parser.error(f"--dir {args.dir!r} is not an existing directory; create it first.")
     cliargs.output_folder(parser, "--dir", args.dir or tempfile.gettempdir())
-    cache, sweep = args.cache_mib << 20, args.sweep_mib << 20
+    cache, sweep = args.cache_mib << 20, min(args.sweep_mib, args.cache_mib) << 20  # the sweep stops at the cache's size
     # The RAM modes hold the cache and its source layers at once; the file modes and the raw sweep write theirs.
     cliargs.room(parser, f"--cache-mib {args.cache_mib}", cache, ram=2 * cache, disk_in=args.dir or tempfile.gettempdir(),
                  disk=cache + sweep)
     args.depths = _integers(parser, "--depths", args.depths, 1, 64, "1,2,4,8")
     args.requests = [mib << 20 for mib in _integers(parser, "--requests", args.requests, 1, 256, "4,8,16")]
-    if not 1 <= args.sweep_mib <= 1 << 16:
-        parser.error(f"--sweep-mib must be between 1 and 65536; got {args.sweep_mib}.")
     if not 0 <= args.ring_mib <= MAX_RING_MIB:
         parser.error(f"--ring-mib must be between 1 and {MAX_RING_MIB} (0: max(4, in flight) requests); "
                      f"got {args.ring_mib}.")
