@@ -2,7 +2,8 @@
 
 A slot holds one layer (its `key`) once a load into it is queued, with the load's `pending` and the `release`
 fence of the last consumer kernels that read it. A load into a slot waits for that fence, so a copy never
-overwrites data still being read; a slot whose load failed holds no key and is never served. When the consumer
+overwrites data still being read. A load or wait that fails breaks the store (`KVStore._whole`): nothing is
+served after it. When the consumer
 asks for layer i (`SlotRing.serve`), the slot of the layer it used before is released, layer i is waited for,
 and the next `depth` streamed layers in the learned order are loaded into free slots (resident layers need no
 load and are skipped, so a copy hides behind every resident layer before its use). What it serves is the
@@ -129,11 +130,7 @@ class SlotRing:
                 slot = self.load(key, self.spare(keep=ahead))
             self.prefetch(key, ahead)  # the next streamed layers' copies hide behind this layer's compute
             if slot is not None:
-                try:
-                    slot.pending.wait(self._streams.consumer())
-                except BaseException:
-                    slot.key = None  # what the slot holds is unknown now: never serve it
-                    raise
+                slot.pending.wait(self._streams.consumer())
         return slot
 
     def _expand(self, key: Hashable, slot: Slot) -> None:
@@ -147,25 +144,21 @@ class SlotRing:
         layers = self._layers
         codec = layers.compact.codec if layers.compact.coded(key) else None
         rows = layers.rows.get(key, 1)
-        try:
-            if key in layers.resident:
-                source = self._tiers[DEVICE].view(key)
+        if key in layers.resident:
+            source = self._tiers[DEVICE].view(key)
+        else:
+            source = views(slot.coded if codec is not None else slot.buffer, layers.kept[key])
+        for src, out in zip(reversed(source), reversed(views(slot.buffer, layers.layouts[key]))):
+            if codec is not None:
+                first = out[:1] if rows > 1 else out
+                codec.decode(src, first)
+            elif src.data_ptr() == out.data_ptr():  # K's row, already in place as row 0
+                first = out[:1]
             else:
-                source = views(slot.coded if codec is not None else slot.buffer, layers.kept[key])
-            for src, out in zip(reversed(source), reversed(views(slot.buffer, layers.layouts[key]))):
-                if codec is not None:
-                    first = out[:1] if rows > 1 else out
-                    codec.decode(src, first)
-                elif src.data_ptr() == out.data_ptr():  # K's row, already in place as row 0
-                    first = out[:1]
-                else:
-                    self._streams.copy(out, src.expand_as(out))
-                    continue
-                if rows > 1:
-                    self._streams.copy(out[1:], first.expand_as(out[1:]))
-        except BaseException:
-            slot.key = None
-            raise
+                self._streams.copy(out, src.expand_as(out))
+                continue
+            if rows > 1:
+                self._streams.copy(out[1:], first.expand_as(out[1:]))
 
     def holding(self, key: Hashable) -> Optional[Slot]:
         return next((s for s in self.slots if s.key == key), None)
@@ -204,7 +197,6 @@ class SlotRing:
         # Encoded bytes are copied into `slot.coded` (None: no such copy), even when there are none (no tokens).
         coded = kept.data_bytes if decoded and key not in layers.resident else None
         self._fit(slot, layout.data_bytes, coded)
-        slot.key = None  # set only once the load is queued: a failed load must never be served
         if key in layers.resident:
             slot.pending = Pending()  # decoded at `get` straight from the resident bytes: nothing to copy
         else:

@@ -36,7 +36,7 @@ from .layers import Layers
 from .resources import StoreResources
 from .ring import LayerOrder
 from .stats import Snapshot, StoreStats
-from .tiers import Tier
+from .tiers import KVWriteError, Tier
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class KVStore:
         self.closed = False
         self.depth = 0
         self.sealed = False  # set by park(): complete and read-only
+        self._broken: Optional[str] = None  # the operation that raised part-way (`_whole`)
         self._stats = StoreStats(name, str(self.device), self.requested.value, config.storage)
         if config.mode is not Mode.AUTO:
             mode, reason = resolve(config.mode, self._unified)
@@ -163,9 +164,13 @@ class KVStore:
         if key in self._layers.layouts:
             raise ValueError(f"KVStore.put: layer {key!r} was already put; a store holds one prefix, put once. "
                              "Use a new store (or close this one) for a new request.")
-        whole = (k, v)
         if self.plan is None:  # the host's figures first: a bad one raises before this store allocates anything
             free = self._free_figures()
+        with self._whole("put"):
+            self._put(key, k, v, free if self.plan is None else None)
+
+    def _put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, free) -> None:
+        whole = (k, v)
         k, v, rows = self.dedup.split(k, v)  # identical batch rows: one row goes on, checked on the device
         layout = layout_for(*whole) if rows == 1 else served_layout(*whole, k, v)
         if self._codec is not None:
@@ -175,13 +180,9 @@ class KVStore:
             self._make_plan(layout, kept, free)
         used = self._layers.used()
         place = self.plan.place_of(len(self._layers.layouts), kept.data_bytes, used[BUDGET_DEVICE], used[BUDGET_HOST])
-        self._layers.trying(key, place)  # before the tier has any of it (`_drop_strays`)
         self._res.tier(place).store(key, k, v, kept)
-        # The layer is put once `_layers.add` has run its last line (the layout, which `put` checks): a put that
-        # Ctrl-C stopped before that is put again whole, so every step up to it takes a repeat.
         self._layers.add(key, layout, kept, place, rows)
-        self._order.add(key)  # after: a key in the order is always served (a Ctrl-C here costs prefetches only,
-        # until the first full pass of gets sets the order)
+        self._order.add(key)
         if place == DEVICE:
             self._stats.add_device(kept.tensor_bytes, layers=1)
         else:
@@ -198,20 +199,30 @@ class KVStore:
         self._check_open("get")
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
-        return self._res.ring.serve(key)
-
-    def _drop_strays(self) -> None:
-        """Frees what the tiers hold of puts that Ctrl-C stopped and nobody repeated (kept for reuse, the store
-        would hold them for good)."""
-        for key, places in self._layers.strays():
-            for place in places:
-                if place in self._res.tiers:  # not when Ctrl-C stopped the tier's opening
-                    self._res.tiers[place].drop(key)
-            self._layers.settle(key)
+        with self._whole("get"):
+            return self._res.ring.serve(key)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is closed; create a new store per request.")
+        if self._broken is not None:
+            raise RuntimeError(f"KVStore.{what}: store {self.name!r} is broken: {self._broken} stopped part-way, "
+                               "so what it holds is unknown. Close it (close() frees everything) and use a new store.")
+
+    @contextlib.contextmanager
+    def _whole(self, what: str):
+        """The part of `what` that changes the store. Raised part-way (an error, Ctrl-C), it leaves the store
+        broken: every later call but `close()` and `stats()` says so, and `close()` frees everything, as a file
+        object does after a failed write. A layer the disk could not take (`KVWriteError`) breaks nothing: none of
+        it was kept, and the layers before it still serve (a host falls back on them)."""
+        try:
+            yield
+        except KVWriteError:
+            raise
+        except BaseException as exc:
+            if self._broken is None:
+                self._broken = f"an earlier {what} ({type(exc).__name__})"
+            raise
 
     @engine_mode
     def flush(self) -> None:
@@ -220,8 +231,9 @@ class KVStore:
         own layer. For measuring, and for a caller that wants write errors at a point of its choosing."""
         self._owner.check("flush", self.name)
         self._check_open("flush")
-        for tier in list(self._tiers.values()):
-            tier.flush()
+        with self._whole("flush"):
+            for tier in list(self._tiers.values()):
+                tier.flush()
 
     @engine_mode
     def park(self) -> None:
@@ -237,11 +249,12 @@ class KVStore:
         with self._busy:
             if self.closed or self._res is None:
                 return
-            if not self.sealed:
-                self._drop_strays()
-                self._res.seal()
-            self.sealed = True
-            self._res.ring.empty()  # host slots a tier made go back to the OS, device slots to the caching allocator
+            self._check_open("park")
+            with self._whole("park"):
+                if not self.sealed:
+                    self._res.seal()
+                self.sealed = True
+                self._res.ring.empty()  # host slots a tier made go back to the OS, device slots to the allocator
             self._stats.parked(self._layers.resident_bytes(), len(self._layers.resident))
             self._consumer.release()  # the next request's consumer owns it, one request at a time
 

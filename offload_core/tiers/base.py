@@ -102,7 +102,6 @@ class Tier(abc.ABC):
     flush(): waits until everything stored is in place (the file tiers write in the background).
     nbytes() -> bytes held, by place (`places.PLACES`).
     close(): waits for or cancels its own background work, then frees everything. Idempotent.
-    drop(key): frees a layer the store never counted (a put stopped by Ctrl-C, not repeated).
     """
 
     note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
@@ -111,12 +110,6 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         """Keeps a private copy of layer `key`."""
-
-    @abc.abstractmethod
-    def drop(self, key: Hashable) -> None:
-        """Frees layer `key`, which the store never counted: a put that Ctrl-C stopped once this tier had it, and
-        that nobody repeated (a repeated one stores the key again, which replaces and frees the first copy). A
-        no-op for a key this tier does not hold."""
 
     @abc.abstractmethod
     def load(self, key: Hashable, slot: torch.Tensor, release: Fence) -> Pending:

@@ -36,14 +36,8 @@ class DeviceTier(Tier):
         v_at = -(-k_bytes // v.element_size()) * v.element_size()
         flat = torch.empty(v_at + v.numel() * v.element_size(), dtype=torch.uint8, device=k.device)
         k, v = (_place(flat, 0, k), _place(flat, v_at, v))
-        old = self._layers.get(key)  # a put that Ctrl-C stopped after this, repeated: the copy replaces it
-        self._layers[key], self._bytes = ((k, v, k._version + v._version, layout),
-                                          self._bytes + layout.tensor_bytes - (old[3].tensor_bytes if old else 0))
-
-    def drop(self, key: Hashable) -> None:
-        old = self._layers.get(key)
-        if old is not None:
-            self._bytes, _ = self._bytes - old[3].tensor_bytes, self._layers.pop(key)  # one line: uncounted as it goes
+        self._layers[key] = (k, v, k._version + v._version, layout)
+        self._bytes += layout.tensor_bytes
 
     def view(self, key: Hashable) -> Tuple[torch.Tensor, torch.Tensor]:
         # These are the cache itself, not a copy: a consumer that wrote into them would change every later

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
-import functools
-import itertools
 import logging
 import os
 import time
@@ -34,7 +32,6 @@ from . import diskfit
 from .fileio import KVWriteError, checksum_module, os_cause, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
-from .filesave import discard
 from .filewrite import LayerFile, Writer
 from .iopool import IOPool, io_timeout
 
@@ -88,8 +85,6 @@ class FileTier(Tier):
         for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
             self._lanes[name] = IOPool(1, f"kv_offload_{name}")
         self._files: Dict[Hashable, LayerFile] = {}
-        self._names = itertools.count()  # layer file numbers, in order of the puts
-        self._paths: Dict[Hashable, List[str]] = {}  # each key's file names, taken before its writes start
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
         self._writer = Writer(ctx, self.directory, self.cache_mode, self.io.request, self._chunks, self._hashes,
@@ -98,21 +93,8 @@ class FileTier(Tier):
         self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
-        # Never a name used before, and recorded under the key (one line: Ctrl-C comes between lines) before its
-        # file is made. A put that Ctrl-C or an error stopped anywhere, even once its write was queued, is put again
-        # under a new name; the put that lands removes what the earlier ones may have left. So the next layer
-        # never takes (and replaces) a file a retry wrote, and no file outlives the put that replaced it.
-        path = os.path.join(self.directory, f"layer-{next(self._names):05d}.safetensors")
-        (names := self._paths.setdefault(key, [])).append(path)
+        path = os.path.join(self.directory, f"layer-{len(self._files):05d}.safetensors")
         self._files[key] = self._writer.write(key, k, v, layout, path)
-        for earlier in names[:-1]:  # on the write lane (FIFO): after the stopped write's finish, if it has one
-            self._lanes["write"].submit(functools.partial(discard, earlier), f"removing {earlier}")
-        del names[:-1]
-
-    def drop(self, key: Hashable) -> None:
-        self._files.pop(key, None)
-        for path in self._paths.pop(key, []):  # on the write lane (FIFO): after the write's finish, if any
-            self._lanes["write"].submit(functools.partial(discard, path), f"removing {path}")
 
     # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
@@ -223,7 +205,6 @@ class FileTier(Tier):
             interrupt = interrupt or exc
         finally:
             self._files.clear()
-            self._paths.clear()
             if not abandoned:
                 self._host_slots.clear()  # the store drops its slots too; nothing reads into them any more
             try:

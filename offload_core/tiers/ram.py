@@ -52,14 +52,7 @@ class RamTier(Tier):
         self._keep(key, buf, layout)
 
     def _keep(self, key: Hashable, buf: HostBuffer, layout: LayerLayout) -> None:
-        old, self._layers[key] = self._layers.get(key), (buf, layout)
-        if old is not None:  # a put that Ctrl-C stopped after this, repeated: its copy may still be in flight
-            self._free(old[0])
-
-    def drop(self, key: Hashable) -> None:
-        old = self._layers.pop(key, None)
-        if old is not None:
-            self._free(old[0])
+        self._layers[key] = (buf, layout)
 
     def _free(self, buf: HostBuffer) -> None:
         self._bound_offloads(0)  # every device-to-host copy ended: none still writes into `buf`

@@ -427,6 +427,7 @@ def _read_lines():
     return [(fn, line) for fn in (Reader.load, Reader._start_read, Reader._finish_read) for line in lines_of(fn)]
 
 
+@pytest.mark.sweep
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_at_every_line_of_a_read_loses_nothing(mode, tmp_path, monkeypatch, wait_until):

@@ -140,6 +140,7 @@ def test_a_directory_that_cannot_be_deleted_is_logged_with_the_reason(tmp_path, 
     again.close()
 
 
+@pytest.mark.sweep
 def test_ctrl_c_at_every_line_of_making_a_directory_leaves_nothing_in_the_parent(tmp_path, system):
     # (On Windows under a staging name first.) An empty directory without a lock file is not ours to judge for any
     # later store (it may be another program's), so one left by an interrupted make would stay for good.

@@ -1,5 +1,5 @@
-"""Ctrl-C at every line of a file store's park and close: a park never leaves the ring on freed memory, and a
-close that an interrupt stopped anywhere is finished by the next `close()`."""
+"""A file store's park and close: the views a get served outlive a park, and a close that an interrupt stopped
+anywhere is finished by the next `close()` (the line-by-line sweep is opt-in: `-m sweep`)."""
 
 import os
 import sys
@@ -10,36 +10,6 @@ import torch
 from filestores import MODES, file_store, layers
 from offload_core.tiers import fileowner
 from interrupt_lines import call_with_ctrl_c_at, lines_of
-
-
-def _park_lines():
-    from offload_core.hostmem import HostBuffer
-    from offload_core.ring import SlotRing
-    from offload_core.tiers.file import FileTier
-
-    return [(fn, line) for fn in (SlotRing.empty, FileTier.release_slot, HostBuffer.release) for line in lines_of(fn)]
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_ctrl_c_at_every_line_of_a_park_never_serves_freed_memory(mode, tmp_path, wait_until):
-    """park() frees the ring's host slots (on a CPU the file tiers read straight into page-aligned slots of their
-    own). Ctrl-C at each line of that: the ring never keeps a slot whose memory is gone, so the next gets read
-    into live memory and serve every layer exact (a freed slot would crash the process or serve other bytes)."""
-    data = layers(3, shape=(1, 4, 256, 64))
-    store = file_store(mode, tmp_path, data, put=range(3))
-    interrupted = 0
-    for function, line in _park_lines():
-        for key in range(3):
-            store.get(key)
-        interrupted += call_with_ctrl_c_at(function, line, store.park)
-        ring, tier = store._res.ring, store._tiers["file"]
-        assert all(s.buffer is None or s.buffer.data_ptr() in tier._host_slots for s in ring.slots)  # none freed
-        for key in (1, 2, 0):
-            k, v = store.get(key)
-            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), (function.__qualname__, line)
-    assert interrupted >= 8
-    store.close()
-    assert os.listdir(tmp_path) == []
 
 
 def test_the_views_a_get_served_stay_readable_after_a_park(tmp_path):
@@ -82,6 +52,7 @@ def _close_lines():
     return [(fn, line) for fn in functions for line in lines_of(fn)]
 
 
+@pytest.mark.sweep
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts descriptors and threads in /proc")
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_at_every_line_of_close_then_close_again_leaves_nothing(mode, tmp_path, wait_until):

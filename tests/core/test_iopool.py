@@ -95,6 +95,7 @@ def _threads_named(prefix):
     return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
 
 
+@pytest.mark.sweep
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
 def test_ctrl_c_at_every_line_of_making_a_pool_leaves_no_thread(wait_until):
     # A pool that Ctrl-C stops half made is nobody's to shut down: it stops the threads it started itself,
@@ -115,6 +116,7 @@ def test_ctrl_c_at_every_line_of_making_a_pool_leaves_no_thread(wait_until):
     assert interrupted >= 8
 
 
+@pytest.mark.sweep
 def test_a_shutdown_stopped_by_ctrl_c_at_any_line_stops_every_thread_when_called_again(wait_until):
     from interrupt_lines import ctrl_c_at, lines_of
 

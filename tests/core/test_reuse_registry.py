@@ -85,6 +85,7 @@ def _registry_close_lines():
     return [(fn, line) for fn in functions for line in lines_of(fn)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("leased", [False, True])
 def test_a_registry_close_stopped_by_ctrl_c_at_any_line_is_finished_by_the_next(leased, tmp_path):
     # Kept stores (one of them leased to a request, when `leased`): Ctrl-C anywhere in the registry's close, from
