@@ -18,9 +18,11 @@ call time, so a test that patches `os.pwrite` reaches them.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
+import signal
 import struct
 import sys
 import threading
@@ -108,16 +110,15 @@ class FileOS:
         return ["buffered"]
 
     def open(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> "Handle":
-        fd = -1
-        try:  # the open inside: Ctrl-C on this line itself would otherwise come between the open and its cleanup
+        with deferred_interrupts():  # the descriptor is the handle's before a Ctrl-C can be raised
             fd = self.open_fd(path, flags, mode, cache_mode)
-            if cache_mode == "f_nocache":
-                self.fcntl.fcntl(fd, F_NOCACHE, 1)
-            return Handle(self, fd, path, flags, cache_mode)
-        except BaseException:  # an interrupt too: the descriptor is nobody's yet
-            if fd >= 0:
+            try:
+                if cache_mode == "f_nocache":
+                    self.fcntl.fcntl(fd, F_NOCACHE, 1)
+                return Handle(self, fd, path, flags, cache_mode)
+            except BaseException:  # the descriptor is nobody's yet
                 self.os.close(fd)
-            raise
+                raise
 
     def open_fd(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> int:
         """A descriptor of `path`; with `no_buffering` (Windows) through `CreateFileW`, since the CRT's open
@@ -284,6 +285,15 @@ class Handle:
             if "fd" in self.__dict__:  # once popped, `fd` reads the class's -1
                 self.fs.os.close(self.__dict__.pop("fd"))
 
+    def __del__(self) -> None:
+        # A handle nobody holds (a Ctrl-C raised as `open` returned it, before its caller stored it): its
+        # descriptors go with it. No one else can hold its lock: nothing refers to it any more.
+        if "fd" in self.__dict__ or self.__dict__.get("_own"):
+            try:
+                self.close()
+            except OSError:
+                pass
+
 
 def _readinto(o, fd: int, view: memoryview) -> int:
     readinto = getattr(o, "readinto", None)  # Python 3.14+
@@ -324,3 +334,25 @@ CURRENT = FileOS(os, sys.platform, _fcntl, _msvcrt, Win32() if sys.platform == "
 
 def current() -> FileOS:
     return CURRENT
+
+
+@contextlib.contextmanager
+def deferred_interrupts():
+    """A Ctrl-C (SIGINT) that arrives inside is raised as it ends, once what the block acquired is recorded.
+
+    CPython raises KeyboardInterrupt right after the builtin call during which the signal came returns, so in
+    `fd = os.open(...)` the descriptor can be lost before it is stored. Only the main thread raises it, and only
+    under Python's own handler: in any other thread (ComfyUI samples in a worker thread), or with a host's own
+    handler installed, this changes nothing."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    caught: List[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if caught:
+            raise KeyboardInterrupt

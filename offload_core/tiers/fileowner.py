@@ -102,7 +102,8 @@ def reclaim(parent: str, prefix: str) -> List[str]:
         if staging and _age(path) <= STAGING_GRACE_S:
             continue  # being made now: its lock file may exist and not be locked yet (taking it would delete a live one)
         try:
-            fd = fs.os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | fs.open_flags | fs.no_follow)
+            with fileos.deferred_interrupts():  # into `held` before a Ctrl-C is raised
+                held = [fs.os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | fs.open_flags | fs.no_follow)]
         except FileNotFoundError:
             # No lock file: a directory of another program (or an older version) — not ours to judge; or a
             # staging directory whose maker died before locking it (it is older than the grace).
@@ -112,14 +113,13 @@ def reclaim(parent: str, prefix: str) -> List[str]:
             continue
         except OSError:
             continue  # not a directory, unreadable: leave it
-        held = [fd]
 
-        def unlock() -> None:
+        def unlock(held=held) -> None:
             if held:
                 fs.unlock_and_close(held.pop())
 
         try:
-            if not _try_lock(fd):
+            if not _try_lock(held[0]):
                 continue  # its owner is alive
             # We hold the dead owner's lock while deleting, so a second reclaimer skips this directory.
             _delete_logged(path, "a cache directory whose owner is gone", lambda p: remove_owned(p, unlock))
@@ -198,7 +198,8 @@ class OwnedDir:
         names: List[str] = []  # the directory's name, taken before it is made
         try:
             made = _make_dir(parent, _staging_prefix(prefix) if staged else prefix, names)
-            self._fd = fs.os.open(os.path.join(made, LOCK_NAME), os.O_RDWR | os.O_CREAT | fs.open_flags, 0o600)
+            with fileos.deferred_interrupts():  # the descriptor is recorded before a Ctrl-C is raised
+                self._fd = fs.os.open(os.path.join(made, LOCK_NAME), os.O_RDWR | os.O_CREAT | fs.open_flags, 0o600)
             if not self._lock(fs, bounded=not staged):  # e.g. a network filesystem without locks
                 log.warning("KV offload: cannot lock a cache directory in %s; if this process dies, its cache files "
                             "there are not reclaimed automatically.", parent)
@@ -228,8 +229,9 @@ class OwnedDir:
         return True
 
     def _unlock(self) -> None:
-        if self.__dict__.get("_fd") is not None:  # taken and closed in one line; `_fd` then reads the class's None
-            fileos.current().unlock_and_close(self.__dict__.pop("_fd"))  # any new owner may reclaim what is left
+        with fileos.deferred_interrupts():  # forgotten and closed together: a repeated call finds it open or gone
+            if self.__dict__.get("_fd") is not None:  # `_fd` then reads the class's None
+                fileos.current().unlock_and_close(self.__dict__.pop("_fd"))  # a new owner may reclaim what is left
 
     def delete(self) -> List[Tuple[str, str]]:
         """Deletes the directory, then drops the lock; logs and returns what could not be deleted.

@@ -70,7 +70,7 @@ class SimOS:
         self._open: Dict[int, str] = {}  # fd -> real path (Windows: what may not be deleted or renamed)
         self._text: Set[int] = set()
         self._scanner: Dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: a finalizer (a dropped handle) may close a descriptor while this thread opens one
         if self.windows:
             self.O_BINARY, self.O_NOINHERIT = 1 << 28, 1 << 29  # stand-in values, stripped before the real open
 
