@@ -108,6 +108,24 @@ class Tier(abc.ABC):
     note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
     own_slots = False  # the ring has this tier make its slots (it reads into slots it made, without staging)
 
+    # Growing layers (`growing.GrowingKVStore`): a layer that grows by blocks of tokens and is read as a prefix.
+    # append(key, k, v, at): keeps tokens [at, at + n) of layer `key` (k, v: (B, n, H, D) on the device, maybe a
+    #     view of the consumer's working buffer); the first append opens the layer, every later one adds to its
+    #     end. Takes its copy before any later work on the consumer's stream (or a load into a slot) can change
+    #     the source. Each block is kept once: nothing already kept is written again.
+    # load_prefix(key, k, v, release) -> Pending: copies the layer's first `k.shape[1]` tokens (whole blocks) into
+    #     `k` and `v` (slices of a device slot), not before `release`.
+    # drop_growing(key): forgets a growing layer (a move to another place).
+
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+        raise TypeError(f"{type(self).__name__} keeps no growing layers; layer {key!r} cannot grow here.")
+
+    def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
+        raise TypeError(f"{type(self).__name__} keeps no growing layers; layer {key!r} cannot be read here.")
+
+    def drop_growing(self, key: Hashable) -> None:
+        """Frees growing layer `key` (a no-op for one this tier does not hold)."""
+
     @abc.abstractmethod
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         """Keeps a private copy of layer `key`."""
