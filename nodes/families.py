@@ -2,7 +2,7 @@
 
 FLUX.2 Klein KV and Qwen-Image(-Edit) take the reference K/V at the attention (`nodes/patches.py`),
 Qwen-Image 2.1 through the model's own prefix-cache seam (`nodes/qwen21.py`), Wan Animate 2 through its
-pose cache (`nodes/wan.py`). No ComfyUI import.
+pose cache (`nodes/wan.py`), autoregressive video (Causal-WAN) through its KV caches (`nodes/arvideo.py`). No ComfyUI import.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from .arvideo import attach as attach_ar, has_ar_cache, patch_ar
 from .patches import patch_reference_kv, unless_flux_kv_cache_after
 from .qwen21 import attach_qwen21, has_prefix_cache, patch_qwen21, qwen21_run_config
 from .wan import attach_cache, take_over_pose_cache, has_pose_cache
@@ -46,6 +47,7 @@ def _transformer_blocks(dm) -> int:
 
 # Tried in this order: Qwen-Image 2.1 has `transformer_blocks` too, and only its seam tells it apart.
 FAMILIES = (
+    Family("ar_video", has_ar_cache, lambda dm: int(dm.num_layers), patch_ar, attach=attach_ar),
     Family("qwen_image21", has_prefix_cache, _transformer_blocks, patch_qwen21, qwen21_run_config, attach_qwen21,
            devices=True),
     Family("wan_animate2", has_pose_cache, lambda dm: len(dm.blocks), take_over_pose_cache, attach=attach_cache,
