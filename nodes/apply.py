@@ -55,7 +55,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
     config, notes = family.patch(m, dm, config, to, reuse)
     if config.mode is Mode.OFF:
         add_readout_wrappers(m, telemetry)
-        return m, _said(logging.INFO, f"KV Offload: mode off on {family.name}: the prefix is recomputed every step.")
+        return m, _said(logging.INFO, " ".join([f"KV Offload: mode off on {family.name}: {family.off}.", *notes]))
     add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family,
                                   telemetry=guarded(telemetry), store_factory=store_factory,
                                   reuse=reuse if keeps else False))

@@ -18,6 +18,7 @@ No ComfyUI import.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import types
@@ -50,9 +51,8 @@ def patch_ar(m, dm, config: OffloadConfig, to: dict, reuse) -> "tuple[OffloadCon
     if config.storage != "exact":
         notes.append(f"KV Offload: the AR video cache is kept exactly; storage {config.storage!r} does not apply.")
         log.warning(notes[-1])
-        config = OffloadConfig(**{**config.__dict__, "storage": "exact"})
-    if config.mode is Mode.OFF:
-        notes.append("Mode off keeps ComfyUI's own AR video cache on the device (it cannot be recomputed).")
+        config = dataclasses.replace(config, storage="exact")
+    if config.mode is Mode.OFF:  # ComfyUI's own cache serves the run (`Family.off` says so)
         return config, notes
     m.add_object_patch(INIT, ARInit(dm))
     m.add_wrapper_with_key(APPLY_MODEL, WRAPPER_KEY, ar_apply_model_wrapper)

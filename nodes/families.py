@@ -29,7 +29,7 @@ class Family:
     `config`, and what to tell the user. run_config(config, to) -> the run's config, or None to stand down for
     the run (`to`: that run's options). attach(run, to, n_layers): put the run where the model will read it.
     devices: serves ComfyUI's multi-GPU sampling (one store per device and cond, each device's thread its own);
-    a family without it stands down for such a run.
+    a family without it stands down for such a run. off: what mode `off` does, in the node's message.
     """
 
     name: str
@@ -39,6 +39,7 @@ class Family:
     run_config: Callable[[Any, dict], Any] = unless_flux_kv_cache_after
     attach: Callable[[Any, dict, int], None] = _nothing_to_attach
     devices: bool = False
+    off: str = "the prefix is recomputed every step"  # what mode `off` does for the family
 
 
 def _transformer_blocks(dm) -> int:
@@ -47,7 +48,8 @@ def _transformer_blocks(dm) -> int:
 
 # Tried in this order: Qwen-Image 2.1 has `transformer_blocks` too, and only its seam tells it apart.
 FAMILIES = (
-    Family("ar_video", has_ar_cache, lambda dm: int(dm.num_layers), patch_ar, attach=attach_ar),
+    Family("ar_video", has_ar_cache, lambda dm: int(dm.num_layers), patch_ar, attach=attach_ar,
+           off="ComfyUI's own AR video cache stays on the device (it cannot be recomputed)"),
     Family("qwen_image21", has_prefix_cache, _transformer_blocks, patch_qwen21, qwen21_run_config, attach_qwen21,
            devices=True),
     Family("wan_animate2", has_pose_cache, lambda dm: len(dm.blocks), take_over_pose_cache, attach=attach_cache,

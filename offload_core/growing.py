@@ -197,7 +197,7 @@ class GrowingKVStore:
         self._order.add(key)
 
     def _host_bytes(self) -> int:
-        return sum(self.shape.bytes(self._committed[k]) for k, p in self._where.items() if p in HOST_PLACES)
+        return sum(self.shape.bytes(self._committed[k]) for k, p in list(self._where.items()) if p in HOST_PLACES)
 
     def _load(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release):
         return self._tiers[self._where[key]].load_prefix(key, k, v, release)
@@ -259,10 +259,10 @@ class GrowingKVStore:
             mode=self.mode.value, reason=self.reason, prefetch_depth=self.depth, closed=self.closed,
             layers=len(self._where), plan=self.placement(), stored=stored, info=info, seconds=res.seconds(),
             pinned_fallback=res.allocator.fallback_reason, kv_error=None, dedup={}))
-        committed = sum(self._committed.values())
+        committed = sum(list(self._committed.values()))  # a copy: stats() may run on another thread
         out["growing"] = {
             "capacity_tokens": self.shape.capacity, "layers": self.expected,
-            "tokens": max(self._committed.values(), default=0), "committed_bytes": self.shape.bytes(committed),
+            "tokens": max(list(self._committed.values()), default=0), "committed_bytes": self.shape.bytes(committed),
             "capacity_bytes": self.shape.bytes(self.shape.capacity) * self.expected,
             "appended": dict(self.appended), "step_bytes": self._steps["last"], "peak_step_bytes": self._steps["peak"],
             "steps": self._steps["count"], "moves": list(self.moves),

@@ -153,7 +153,7 @@ class GrowingFiles:
             wait_all(f.writes, f"the appends to {f.path}")
             self.written -= f.size
             f.handle.close()
-            os.unlink(f.path)
+            fileos.current().unlink(f.path)
 
     def flush(self) -> None:
         """Waits until every block appended so far is on disk; raises the first write error."""

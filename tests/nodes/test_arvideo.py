@@ -143,3 +143,18 @@ def test_without_a_run_the_model_makes_its_own_caches():
     assert "ar_video" in msg
     caches = m.object_patches[arvideo.INIT](1, 12, "cpu", torch.float32)
     assert type(caches[0]) is dict and caches[0]["k"].shape == (1, 12, 2, 8)
+
+
+def test_lossy_storage_is_said_and_the_cache_kept_exact(tmp_path, one_torch_thread):
+    theirs = video(tmp_path, None, 3)
+    config = OffloadConfig(mode="ram_sync", storage="int8")
+    m, msg = apply_offload(FakePatcher(TinyCausalWan()), config, host=lambda p: HostServices())
+    assert "kept exactly" in msg
+    assert torch.equal(video(tmp_path, config, 3), theirs)
+    assert Made.made[-1].config.storage == "exact"
+
+
+def test_mode_off_leaves_comfys_own_cache(tmp_path):
+    m, msg = apply_offload(FakePatcher(TinyCausalWan()), config_from_inputs("off"), host=lambda p: HostServices())
+    assert arvideo.INIT not in m.object_patches and "own AR video cache" in msg
+    assert torch.equal(video(tmp_path, "off", 3), video(tmp_path, None, 3)) and Made.made == []
