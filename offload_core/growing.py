@@ -60,6 +60,12 @@ class GrowingShape:
         return 2 * self.batch * tokens * self.heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
 
 
+def working_pair(streams, shape: GrowingShape) -> Tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one layer at full capacity on the device (from the caching allocator on the current stream)."""
+    half = shape.bytes(shape.capacity) // 2
+    return tuple(streams.empty(half).view(shape.dtype).view(shape.pair) for _ in range(2))
+
+
 class GrowingKVStore:
     """Holds the growing K/V of one run (one video, one batch) where the plan of `config` puts each layer.
 
@@ -130,7 +136,7 @@ class GrowingKVStore:
         if key not in self._where:
             self._open_layer(key)
         pair = self._ring.serve(key, self._resident)
-        return pair if pair is not None else self._tiers[DEVICE].open_growing(key, self.shape.pair, self.shape.dtype)
+        return pair if pair is not None else self._tiers[DEVICE].open_growing(key, self._new_pair)
 
     @engine_mode
     @one_consumer
@@ -146,32 +152,34 @@ class GrowingKVStore:
         if end == start:
             return
         if key in self._resident:
-            k, v = self._tiers[DEVICE].open_growing(key, self.shape.pair, self.shape.dtype)
+            k, v = self._tiers[DEVICE].open_growing(key, self._new_pair)
         else:
             current = self._ring.current
             if current is None or current.key != key:
                 raise RuntimeError(f"GrowingKVStore.commit: layer {key!r} is not the layer last viewed; its block is "
                                    "only in the working pair until another layer is viewed. Commit right after writing.")
             k, v = current.k, current.v
-        self._keep(key, k, v, start, end)
+        kept = self._keep(key, k, v, start, end)
         self._committed[key] = end
-        self._ring.grown(key, end)
+        self._ring.grown(key, end, kept)
 
-    def _keep(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, start: int, end: int) -> None:
+    def _keep(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, start: int, end: int):
+        """Hands tokens [start, end) to the layer's place; the fence after the copy out of `k`, `v`."""
         place = self._where[key]
         cap = self.plan.host_cap
         if place in HOST_PLACES and cap is not None and self._host_bytes() + self.shape.bytes(end - start) > cap:
             # The layer no longer fits in RAM: its whole prefix goes to a file, this block with it.
-            self._res.tier(FILE).append(key, k[:, :end], v[:, :end], 0)
+            kept = self._res.tier(FILE).append(key, k[:, :end], v[:, :end], 0)
             self._tiers[place].drop_growing(key)
             self._where[key] = FILE
             self.moves.append(f"layer {key!r} {WORDS[place]} -> {WORDS[FILE]} at {end} tokens: "
                               f"{self.plan.why.get(place, 'host budget')} reached")
             log.info("KV offload [%s]: %s", self.name, self.moves[-1])
         else:
-            self._tiers[place].append(key, k[:, start:end], v[:, start:end], start)
+            kept = self._tiers[place].append(key, k[:, start:end], v[:, start:end], start)
         self.appended["count"] += 1
         self.appended["bytes"] += self.shape.bytes(end - start)
+        return kept
 
     def committed(self, key: Hashable) -> int:
         """Tokens of layer `key` committed so far (0 for a layer never viewed)."""
@@ -203,9 +211,7 @@ class GrowingKVStore:
         return self._tiers[self._where[key]].load_prefix(key, k, v, release)
 
     def _new_pair(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        s = self.shape
-        return (torch.empty(s.pair, dtype=s.dtype, device=self.device),
-                torch.empty(s.pair, dtype=s.dtype, device=self.device))
+        return working_pair(self._res.streams, self.shape)
 
     def _check_open(self, what: str) -> None:
         if self.closed:

@@ -14,14 +14,14 @@ from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .devices import DONE, Streams
+from .devices import DONE, Fence, Streams
 from .ring import LayerOrder
 from .stats import StoreStats
 from .tiers import Pending
 
 
 class PrefixSlot:
-    __slots__ = ("k", "v", "key", "tokens", "pending", "release")
+    __slots__ = ("k", "v", "key", "tokens", "pending", "release", "kept")
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
@@ -30,6 +30,7 @@ class PrefixSlot:
         self.tokens = 0
         self.pending = Pending()
         self.release = DONE
+        self.kept = DONE  # after the last copy out of the slot (a committed block): the consumer writes after it
 
 
 class PrefixRing:
@@ -71,6 +72,9 @@ class PrefixRing:
             if slot is None:
                 return None
             try:
+                # The block last committed from this slot may still be on its way out on the side stream: the
+                # consumer's kernels that write into the slot from now on must not overtake that copy.
+                slot.kept.make_wait(self._streams.consumer())
                 slot.pending.wait(self._streams.consumer())
             except BaseException:
                 slot.key = None  # what it holds is unknown now: never served
@@ -78,10 +82,11 @@ class PrefixRing:
         self.current = slot
         return slot.k, slot.v
 
-    def grown(self, key: Hashable, tokens: int) -> None:
-        """The consumer's working pair of `key` now holds `tokens` committed tokens (it wrote the block in place)."""
+    def grown(self, key: Hashable, tokens: int, kept: Fence) -> None:
+        """The consumer's working pair of `key` now holds `tokens` committed tokens (it wrote the block in place),
+        copied out to the layer's place up to `kept`."""
         if self.current is not None and self.current.key == key:
-            self.current.tokens = tokens
+            self.current.tokens, self.current.kept = tokens, kept
 
     def _holding(self, key: Hashable) -> Optional[PrefixSlot]:
         tokens = self._committed(key)

@@ -3,11 +3,11 @@ and the resident layers of every mode)."""
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Tuple
+from typing import Callable, Dict, Hashable, Tuple
 
 import torch
 
-from ..devices import Fence
+from ..devices import DONE, Fence
 from ..layout import LayerLayout, views
 from ..places import DEVICE
 from .base import Pending, Tier, TierContext
@@ -64,22 +64,23 @@ class DeviceTier(Tier):
         return Pending(self._streams.record())
 
     # -- growing layers: kept at full capacity where the consumer computes, as upstream's own caches ----------
-    def open_growing(self, key: Hashable, shape: Tuple[int, ...], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V of growing layer `key` at its full capacity `shape` (B, S, H, D): the consumer's working buffers,
-        written in place; tokens are kept once `append` says so (nothing moves)."""
+    def open_growing(self, key: Hashable, make: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V of growing layer `key` at full capacity (B, S, H, D), made by `make` the first time: the
+        consumer's working buffers, written in place; tokens are kept once `append` says so (nothing moves)."""
         pair = self._growing.get(key)
         if pair is None:
-            pair = self._growing[key] = (torch.empty(shape, dtype=dtype, device=self._streams.device),
-                                         torch.empty(shape, dtype=dtype, device=self._streams.device))
+            pair = self._growing[key] = make()
             self._bytes += 2 * pair[0].numel() * pair[0].element_size()
         return pair
 
-    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
         own_k, own_v = self._growing[key]
         for own, t in ((own_k, k), (own_v, v)):
             dst = own[:, at:at + t.shape[1]]
             if dst.data_ptr() != t.data_ptr():  # else the consumer wrote the block in place: nothing to copy
                 self._streams.copy(dst, t)
+        return DONE  # on the consumer's stream: in order with whatever it does next
 
     def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
         own_k, own_v = self._growing[key]

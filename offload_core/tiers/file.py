@@ -117,8 +117,8 @@ class FileTier(Tier):
         for path in self._paths.pop(key, []):  # on the write lane (FIFO): after the write's finish, if any
             self._lanes["write"].submit(functools.partial(discard, path), f"removing {path}")
 
-    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
-        self._grow.append(key, k, v, at)  # a growing layer: one file, each block appended once (fileappend.py)
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
+        return self._grow.append(key, k, v, at)  # a growing layer: one file, each block appended once (fileappend.py)
 
     def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
         return self._grow.load(key, k, v, release)

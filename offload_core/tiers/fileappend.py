@@ -11,9 +11,10 @@ in the tier's private directory, which goes with the tier.
 from __future__ import annotations
 
 import os
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Iterator, List, Optional
+from typing import Deque, Dict, Hashable, Iterator, List, Optional
 
 import torch
 
@@ -25,6 +26,8 @@ from .blocks import Block, covering, into, next_at
 from .fileio import KVFileError, KVWriteError, corrupted, digest, pread_exact
 from .filesave import pwrite_all
 from .iopool import IOPool, wait_all
+
+QUEUED_WRITES = 8  # blocks whose write may wait behind the disk before an append waits for the oldest
 
 
 @dataclass
@@ -46,6 +49,7 @@ class GrowingFiles:
         self._ctx, self.directory, self.cache_mode = ctx, directory, cache_mode
         self._write, self._read, self._names = write, read, names
         self._files: Dict[Hashable, GrowingFile] = {}
+        self._queued: Deque[Future] = deque()  # writes not yet waited for, oldest first
         self.written = 0  # bytes on disk (blocks whose write finished)
         self.failed: Optional[BaseException] = None
 
@@ -58,7 +62,7 @@ class GrowingFiles:
             f = self._files[key] = GrowingFile(path, fs.open(path, flags, cache_mode=self.cache_mode))
         return f
 
-    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
         if self.failed is not None:
             raise KVWriteError(f"KV offload: an earlier block in {self.directory!r} could not be written "
                                f"({self.failed}); this store takes no more blocks.") from self.failed
@@ -99,6 +103,10 @@ class GrowingFiles:
                 self._ctx.allocator.free(buf, spare=True)
 
         self._write.submit(write, f"the append to {f.path}", into=f.writes)
+        self._queued.append(f.writes[-1])
+        if len(self._queued) > QUEUED_WRITES:  # the disk sets the pace: a few blocks' staging in host RAM at most
+            wait_all([self._queued.popleft()], f"the append to {f.path}")
+        return fence
 
     def load(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
         f = self._files.get(key)

@@ -13,7 +13,7 @@ from typing import Deque, Dict, Hashable, List, Tuple
 
 import torch
 
-from ..devices import Fence, Streams
+from ..devices import DONE, Fence, Streams
 from ..hostmem import HostBuffer
 from ..layout import LayerLayout, check_fits, layout_for, views
 from ..places import PAGEABLE, PINNED
@@ -90,7 +90,7 @@ class RamTier(Tier):
             return Pending(ctx.streams.record(side))
 
     # -- growing layers ------------------------------------------------------------------------------------------
-    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> None:
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
         blocks = self._grown.setdefault(key, [])
         next_at([b for _, b in blocks], key, at, k.shape[1])
         ctx, streams = self._ctx, self._ctx.streams
@@ -103,9 +103,10 @@ class RamTier(Tier):
                     _copy_layer(streams, buf.tensor, layout, k, v)
             else:
                 # `k`/`v` may be a view of a ring slot: a load into that slot is queued on the side stream after
-                # this copy (first in first out), so no snapshot is needed; the wait orders the copy after the
-                # consumer's kernels that wrote the block.
-                self._bound_offloads(ctx.depth + 1)
+                # this copy (first in first out), so no snapshot is needed (and none is bounded: the host never
+                # waits here); the wait orders the copy after the consumer's kernels that wrote the block.
+                while self._offloads and self._offloads[0].done():
+                    self._offloads.popleft()
                 streams.record().make_wait(side)
                 with streams.on_side(), streams.timed("transfer", side):
                     dst_k, dst_v = views(buf.tensor, layout)
@@ -116,6 +117,7 @@ class RamTier(Tier):
             self._free(buf)
             raise
         blocks.append((buf, Block(at, k.shape[1], layout)))
+        return self._offloads[-1] if side is not None else DONE
 
     def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
         held = dict((id(b), buf) for buf, b in self._grown.get(key, []))
