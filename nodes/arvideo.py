@@ -107,6 +107,7 @@ class ARCache:
         self.committing = False  # the forward in progress is a clean pass (sigma 0): its blocks are final
         self.in_forward = False
         self._count = 0
+        self._final: dict = {}
 
     def open(self, shape: GrowingShape, device: torch.device, layers: int) -> list:
         if self.store is not None:  # a second video in the same run: the first one's cache goes
@@ -147,9 +148,9 @@ class ARCache:
             self.store.step()
 
     def summary(self) -> dict:
-        """What the readout shows of the video cache (`stats()["growing"]`), None before the first block."""
+        """What the readout shows of the video cache (`stats()["growing"]`); after the run, its last figures."""
         if self.store is None:
-            return {}
+            return self._final
         stats = self.store.stats()
         return {**stats["growing"], "bytes": stats["bytes"], "device_bytes": stats["device_bytes"],
                 "exposed_wait_s": stats["exposed_wait_s"]}
@@ -157,6 +158,8 @@ class ARCache:
     def free(self) -> None:
         if getattr(_HERE, "cache", None) is self:
             _HERE.cache = None
+        if self.store is not None:
+            self._final = self.summary()
         self.store = None
 
 

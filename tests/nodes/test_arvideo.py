@@ -158,3 +158,16 @@ def test_mode_off_leaves_comfys_own_cache(tmp_path):
     m, msg = apply_offload(FakePatcher(TinyCausalWan()), config_from_inputs("off"), host=lambda p: HostServices())
     assert arvideo.INIT not in m.object_patches and "own AR video cache" in msg
     assert torch.equal(video(tmp_path, "off", 3), video(tmp_path, None, 3)) and Made.made == []
+
+
+def test_the_readout_shows_the_video_cache_growing_and_its_last_figures(tmp_path):
+    from kv_offload_pack.nodes.telemetry import TelemetryHub
+
+    pushed = []
+    hub = TelemetryHub(send=lambda event, payload: pushed.append(payload), min_interval_s=0.0)
+    video(tmp_path, "ram_sync", 3, telemetry=hub)
+    final = pushed[-1]
+    (store,) = [s for s in final["stores"] if s["name"] == "video"]
+    assert store["growing"]["tokens"] == FRAMES * 6 and store["growing"]["step_bytes"] > 0
+    assert final["ar_video"]["tokens"] == FRAMES * 6 and final["ar_video"]["bytes"]["host_pageable"] == 0  # closed
+    assert any(p.get("ar_video", {}).get("tokens", 0) < FRAMES * 6 for p in pushed[:-1])  # it grew during the run
