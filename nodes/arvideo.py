@@ -18,7 +18,6 @@ No ComfyUI import.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import types
@@ -49,9 +48,8 @@ def patch_ar(m, dm, config: OffloadConfig, to: dict, reuse) -> "tuple[OffloadCon
     """Object-patch `init_kv_caches` on the clone and bracket every model call; `(config, notes)`."""
     notes = []
     if config.storage != "exact":
-        notes.append(f"KV Offload: the AR video cache is kept exactly; storage {config.storage!r} does not apply.")
-        log.warning(notes[-1])
-        config = dataclasses.replace(config, storage="exact")
+        notes.append(f"KV Offload: the AR video cache's streamed layers keep each block as {config.storage} (lossy, "
+                     "the error in the readout); resident layers stay exact.")
     if config.mode is Mode.OFF:  # ComfyUI's own cache serves the run (`Family.off` says so)
         return config, notes
     m.add_object_patch(INIT, ARInit(dm))

@@ -23,7 +23,8 @@ from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import Compact
+from .codec import Compact, codec_for
+from .growcodec import Packing, packed_width
 from .config import HostServices, Mode, OffloadConfig
 from .devices import unified_memory_reason
 from .guards import Consumer, Owner, engine_mode, one_consumer
@@ -70,7 +71,8 @@ class GrowingKVStore:
     """Holds the growing K/V of one run (one video, one batch) where the plan of `config` puts each layer.
 
     Args:
-        config: a validated `OffloadConfig` (mode other than `off`, storage `exact`).
+        config: a validated `OffloadConfig` (mode other than `off`). With storage fp8 / int8 the streamed layers
+            keep each block packed (`growcodec.py`); resident layers stay exact (they are the working pairs).
         device: where the consumer computes; `view` returns tensors there.
         shape: every layer's working pair (`GrowingShape`). layers: how many layers the consumer has.
         host, name: as for `KVStore`.
@@ -81,9 +83,6 @@ class GrowingKVStore:
     def __init__(self, config: OffloadConfig, device, *, shape: GrowingShape, layers: int,
                  host: Optional[HostServices] = None, name: str = ""):
         self.device = KVStore.check_config(config, device)
-        if config.storage != "exact":
-            raise ValueError(f"GrowingKVStore: `storage` must be 'exact' for a growing cache; got {config.storage!r}. "
-                             "Autoregressive video keeps every committed token exactly; pick storage='exact'.")
         self.config, self.name, self.shape, self.expected = config, name, shape, max(int(layers), 1)
         self._host = host or HostServices()
         self._paused = self._host.pause_graph or contextlib.nullcontext
@@ -105,8 +104,9 @@ class GrowingKVStore:
         self._where: Dict[Hashable, str] = {}
         self._committed: Dict[Hashable, int] = {}
         self._resident: Set[Hashable] = set()
+        self._packing = Packing(Compact(codec_for(config.storage), f"KV offload [{name}]"))
         self._ring = PrefixRing(self.depth, self._res.streams, self._order, self._stats, self._load,
-                                self.committed, self._new_pair)
+                                self.committed, self._new_pair, self._packing)
         self.appended = {"count": 0, "bytes": 0}
         self.moves: List[str] = []
         self._steps = {"mark": 0, "last": 0, "peak": 0, "count": 0}
@@ -159,27 +159,46 @@ class GrowingKVStore:
                 raise RuntimeError(f"GrowingKVStore.commit: layer {key!r} is not the layer last viewed; its block is "
                                    "only in the working pair until another layer is viewed. Commit right after writing.")
             k, v = current.k, current.v
-        kept = self._keep(key, k, v, start, end)
+        moving = self._moves(key, end - start)
+        at = 0 if moving else start  # a layer that moves down takes its whole prefix to its new place
+        k, v = k[:, at:end], v[:, at:end]
+        packed = self._packing.active and key not in self._resident
+        if packed:
+            k, v = self._packing.pack(key, k, v)
+        kept = self._keep(key, k, v, at, end, moving)
+        if packed:
+            self._packing.hold(kept, k, v)
         self._committed[key] = end
         self._ring.grown(key, end, kept)
 
-    def _keep(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, start: int, end: int):
-        """Hands tokens [start, end) to the layer's place; the fence after the copy out of `k`, `v`."""
-        place = self._where[key]
+    def _moves(self, key: Hashable, tokens: int) -> bool:
+        """Whether `tokens` more of layer `key` would pass the RAM cap of the plan (the layer then moves to a file)."""
         cap = self.plan.host_cap
-        if place in HOST_PLACES and cap is not None and self._host_bytes() + self.shape.bytes(end - start) > cap:
-            # The layer no longer fits in RAM: its whole prefix goes to a file, this block with it.
-            kept = self._res.tier(FILE).append(key, k[:, :end], v[:, :end], 0)
+        return self._where[key] in HOST_PLACES and cap is not None and self._host_bytes() + self._kept(tokens) > cap
+
+    def _keep(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int, end: int, moving: bool):
+        """Hands tokens [at, end) (`k`, `v`, as kept) to the layer's place, or with `moving` the whole prefix to a
+        file; the fence after the copy out of `k`, `v`."""
+        place = self._where[key]
+        if moving:
+            kept = self._res.tier(FILE).append(key, k, v, 0)
             self._tiers[place].drop_growing(key)
             self._where[key] = FILE
             self.moves.append(f"layer {key!r} {WORDS[place]} -> {WORDS[FILE]} at {end} tokens: "
                               f"{self.plan.why.get(place, 'host budget')} reached")
             log.info("KV offload [%s]: %s", self.name, self.moves[-1])
         else:
-            kept = self._tiers[place].append(key, k[:, start:end], v[:, start:end], start)
+            kept = self._tiers[place].append(key, k, v, at)
         self.appended["count"] += 1
-        self.appended["bytes"] += self.shape.bytes(end - start)
+        self.appended["bytes"] += self.shape.bytes(end - self._committed[key])  # the cache's bytes, as committed
         return kept
+
+    def _kept(self, tokens: int) -> int:
+        """Bytes a streamed layer keeps for `tokens` tokens (packed with a codec)."""
+        s = self.shape
+        if not self._packing.active:
+            return s.bytes(tokens)
+        return 2 * s.batch * tokens * s.heads * packed_width(s.head_dim)
 
     def committed(self, key: Hashable) -> int:
         """Tokens of layer `key` committed so far (0 for a layer never viewed)."""
@@ -205,7 +224,7 @@ class GrowingKVStore:
         self._order.add(key)
 
     def _host_bytes(self) -> int:
-        return sum(self.shape.bytes(self._committed[k]) for k, p in list(self._where.items()) if p in HOST_PLACES)
+        return sum(self._kept(self._committed[k]) for k, p in list(self._where.items()) if p in HOST_PLACES)
 
     def _load(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release):
         return self._tiers[self._where[key]].load_prefix(key, k, v, release)
@@ -237,6 +256,7 @@ class GrowingKVStore:
             finally:
                 self._res.close(f" [{self.name}]")
                 self._ring.drop()
+                self._packing.clear()
                 self._stats.emptied()
 
     def __enter__(self) -> "GrowingKVStore":
@@ -264,7 +284,7 @@ class GrowingKVStore:
         out = self._stats.as_dict(Snapshot(
             mode=self.mode.value, reason=self.reason, prefetch_depth=self.depth, closed=self.closed,
             layers=len(self._where), plan=self.placement(), stored=stored, info=info, seconds=res.seconds(),
-            pinned_fallback=res.allocator.fallback_reason, kv_error=None, dedup={}))
+            pinned_fallback=res.allocator.fallback_reason, kv_error=self._packing.compact.summary(), dedup={}))
         committed = sum(list(self._committed.values()))  # a copy: stats() may run on another thread
         out["growing"] = {
             "capacity_tokens": self.shape.capacity, "layers": self.expected,

@@ -10,7 +10,7 @@ for the slot's release fence, so it never overwrites what the consumer still rea
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Optional, Set, Tuple
+from typing import Callable, Hashable, List, Optional, Set, Tuple
 
 import torch
 
@@ -21,11 +21,14 @@ from .tiers import Pending
 
 
 class PrefixSlot:
-    __slots__ = ("k", "v", "key", "tokens", "pending", "release", "kept")
+    __slots__ = ("k", "v", "pk", "pv", "packed", "key", "tokens", "pending", "release", "kept")
 
     def __init__(self) -> None:
         self.k: Optional[torch.Tensor] = None
         self.v: Optional[torch.Tensor] = None
+        self.pk: Optional[torch.Tensor] = None  # with a codec: the packed prefix a tier loads, unpacked into k, v
+        self.pv: Optional[torch.Tensor] = None
+        self.packed = False  # the prefix is in pk, pv and not yet unpacked
         self.key: Optional[Hashable] = None
         self.tokens = 0
         self.pending = Pending()
@@ -37,14 +40,16 @@ class PrefixRing:
     """Slots for the streamed layers of one growing store.
 
     load(key, k, v, release) -> Pending queues layer `key`'s committed prefix into `k`, `v` (the slot's first
-    tokens); committed(key) -> its committed tokens now; new_pair() -> a fresh working pair on the device.
+    tokens); committed(key) -> its committed tokens now; new_pair() -> a fresh working pair on the device;
+    packing: with a codec (`growcodec.Packing`), prefixes load packed and are unpacked when served.
     """
 
     def __init__(self, depth: int, streams: Streams, order: LayerOrder, stats: StoreStats,
                  load: Callable[..., Pending], committed: Callable[[Hashable], int],
-                 new_pair: Callable[[], Tuple[torch.Tensor, torch.Tensor]]):
+                 new_pair: Callable[[], Tuple[torch.Tensor, torch.Tensor]], packing=None):
         self._depth, self._streams, self._order, self._stats = depth, streams, order, stats
         self._load, self._committed, self._new_pair = load, committed, new_pair
+        self._packing = packing if packing is not None and packing.active else None
         self.slots: List[PrefixSlot] = [PrefixSlot() for _ in range(depth + 1)]
         self.current: Optional[PrefixSlot] = None
         self.moved = 0  # bytes loaded into slots so far
@@ -76,6 +81,10 @@ class PrefixRing:
                 # consumer's kernels that write into the slot from now on must not overtake that copy.
                 slot.kept.make_wait(self._streams.consumer())
                 slot.pending.wait(self._streams.consumer())
+                if slot.packed:  # on the consumer's stream, after the load; the slot's release fence follows it
+                    t = slot.tokens
+                    self._packing.unpack(slot.pk[:, :t], slot.pv[:, :t], slot.k[:, :t], slot.v[:, :t])
+                    slot.packed = False
             except BaseException:
                 slot.key = None  # what it holds is unknown now: never served
                 raise
@@ -101,15 +110,20 @@ class PrefixRing:
     def _fill(self, key: Hashable, slot: PrefixSlot) -> PrefixSlot:
         if slot.k is None:
             slot.k, slot.v = self._new_pair()
+            if self._packing is not None:
+                slot.pk, slot.pv = self._packing.packed_pair(self._streams, tuple(slot.k.shape))
             # The allocator may hand out memory that kernels still queued on the consumer's stream use.
             slot.release = self._streams.record()
-            self._stats.add_device(2 * slot.k.numel() * slot.k.element_size(), layers=0)
+            self._stats.add_device(sum(t.numel() * t.element_size() for t in (slot.k, slot.v, slot.pk, slot.pv)
+                                       if t is not None), layers=0)
         slot.pending.settle()  # a load still queued into it (a dropped prefetch) ends first
         slot.key = None  # set once the load is queued: a failed load is never served
         tokens = self._committed(key)
-        slot.pending = self._load(key, slot.k[:, :tokens], slot.v[:, :tokens], slot.release) if tokens else Pending()
+        k, v = (slot.pk, slot.pv) if self._packing is not None else (slot.k, slot.v)
+        slot.pending = self._load(key, k[:, :tokens], v[:, :tokens], slot.release) if tokens else Pending()
+        slot.packed = self._packing is not None and tokens > 0
         if tokens:
-            nbytes = 2 * slot.k[:, :tokens].numel() * slot.k.element_size()
+            nbytes = 2 * k[:, :tokens].numel() * k.element_size()
             self.moved += nbytes
             self._stats.count_transfer(nbytes)
         slot.key, slot.tokens = key, tokens

@@ -50,3 +50,33 @@ def test_every_prefix_a_kernel_reads_is_the_committed_one(make_sim, mode, depth,
     assert len(seen) == LAYERS * STEPS * len(BLOCKS)
     for layer, at, k, v in seen:
         assert torch.equal(k, ref[layer][0][:, :at]) and torch.equal(v, ref[layer][1][:, :at]), (layer, at)
+
+
+@pytest.mark.parametrize("mode", ["ram_async", "file_async"])
+def test_packed_prefixes_unpack_after_their_load(make_sim, mode, tmp_path):
+    # The late schedule only: packing and unpacking are torch calls of the engine, which the model runs at once
+    # rather than on the consumer's stream (on a GPU they queue there, behind the kernels before them).
+    sim = make_sim("late")
+    shape = GrowingShape(batch=1, capacity=sum(BLOCKS), heads=2, head_dim=8, dtype=torch.float32)
+    g = torch.Generator().manual_seed(41)
+    ref = [(torch.randn(shape.pair, generator=g), torch.randn(shape.pair, generator=g)) for _ in range(LAYERS)]
+    config = OffloadConfig(mode=mode, storage="int8", file_dir=str(tmp_path) if "file" in mode else None)
+    seen = []
+    with GrowingKVStore(config, "cpu", shape=shape, layers=LAYERS) as store:
+        at = 0
+        for n in BLOCKS:
+            for layer in range(LAYERS):
+                k, v = store.view(layer)
+
+                def kernel(k, v, layer=layer, at=at, n=n):
+                    seen.append((layer, at, k[:, :at].clone()))
+                    k[:, at:at + n] = ref[layer][0][:, at:at + n]
+                    v[:, at:at + n] = ref[layer][1][:, at:at + n]
+
+                sim.launch(kernel, k, v)
+                store.commit(layer, at, at + n)
+            at += n
+        sim.synchronize()
+    for layer, at, k in seen:
+        want = ref[layer][0][:, :at]
+        assert at == 0 or ((k - want).norm() / want.norm()).item() < 0.02, (layer, at)

@@ -145,13 +145,17 @@ def test_without_a_run_the_model_makes_its_own_caches():
     assert type(caches[0]) is dict and caches[0]["k"].shape == (1, 12, 2, 8)
 
 
-def test_lossy_storage_is_said_and_the_cache_kept_exact(tmp_path, one_torch_thread):
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+def test_compact_storage_is_opt_in_with_its_error_reported(tmp_path, storage, one_torch_thread):
     theirs = video(tmp_path, None, 3)
-    config = OffloadConfig(mode="ram_sync", storage="int8")
+    config = OffloadConfig(mode="ram_async", storage=storage)
     m, msg = apply_offload(FakePatcher(TinyCausalWan()), config, host=lambda p: HostServices())
-    assert "kept exactly" in msg
-    assert torch.equal(video(tmp_path, config, 3), theirs)
-    assert Made.made[-1].config.storage == "exact"
+    assert f"as {storage} (lossy" in msg
+    ours = video(tmp_path, config, 3)
+    error = ((ours - theirs).norm() / theirs.norm()).item()
+    assert 0 < error < 0.05
+    kv_error = Made.made[-1].stats()["kv_error"]
+    assert 0 < kv_error["relative"] < 0.05
 
 
 def test_mode_off_leaves_comfys_own_cache(tmp_path):
