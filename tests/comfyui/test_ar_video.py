@@ -112,3 +112,14 @@ def test_an_error_mid_run_leaves_no_file(comfy):
     entry = comfy.wait(body["prompt_id"])
     assert entry["status"]["status_str"] == "error" and "test failure" in str(entry["status"])
     assert comfy.kv_files() == []
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+def test_compact_storage_is_close_and_its_error_reported(comfy, storage):
+    exact = latent(comfy, nfpb=3, seed=41)
+    ours = latent(comfy, mode="ram_async", storage=storage, nfpb=3, seed=41)
+    error = ((ours - exact).norm() / exact.norm()).item()
+    _, stats = comfy.request("GET", "/kv_offload/stats")
+    (store,) = [s for s in stats["stores"] if s["name"].startswith("video")]
+    print(f"AR video, storage {storage}: latent relative error {error:.3g}, K/V {store['kv_error']['relative']:.3g}")
+    assert 0 < error < 0.05 and 0 < store["kv_error"]["relative"] < 0.05
