@@ -108,7 +108,7 @@ class Tier(abc.ABC):
     note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
     own_slots = False  # the ring has this tier make its slots (it reads into slots it made, without staging)
 
-    # Growing layers (`growing.GrowingKVStore`): a layer that grows by blocks of tokens and is read as a prefix.
+    # Growing layers (`growing.store.GrowingKVStore`): a layer that grows by blocks of tokens and is read as a prefix.
     # append(key, k, v, at) -> Fence: keeps tokens [at, at + n) of layer `key` (k, v: (B, n, H, D) on the device,
     #     maybe a view of a ring slot); the first append opens the layer, every later one adds to its end. Its
     #     copy is queued after the consumer's work so far, and before any later load into a slot (side stream,

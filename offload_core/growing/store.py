@@ -4,13 +4,13 @@ Each layer is a pair (B, S, H, D) of capacity S tokens that the consumer fills b
 committed prefix [0, c), writes its current block after it and attends to both; once a block is final the
 consumer commits it (`commit`), and the store keeps those tokens in the layer's place, once. `view(layer)`
 hands out the layer's working pair on the device: a resident layer's own buffers (whole layers up to the device
-budget, as upstream keeps every layer), or a ring slot (`prefixring.py`) into which the layer's committed prefix
+budget, as upstream keeps every layer), or a ring slot (`ring.py`) into which the layer's committed prefix
 was loaded (prefetched behind the previous layers' compute in the async modes), with room for the block.
 
 Places come from the same plan as a `KVStore`'s (`plan.py`), sized by the layers' full capacity for the device;
 RAM layers are counted by what they hold, so they stay in RAM until the host's budget is reached and the layer
-whose next block would pass it moves down to files (`stats()["growing"]["moves"]` says which and why). Exact
-only: a lossy codec over a growing layer is not offered.
+whose next block would pass it moves down to files (`stats()["growing"]["moves"]` says which and why). With
+storage fp8 / int8 the streamed layers keep their blocks packed (`packing.py`).
 """
 
 from __future__ import annotations
@@ -18,53 +18,28 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .codec import Compact, codec_for
-from .growcodec import Packing, packed_width
-from .config import HostServices, Mode, OffloadConfig
-from .devices import unified_memory_reason
-from .guards import Consumer, Owner, engine_mode, one_consumer
-from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
-from .hostmem import pin_room
-from .layers import Layers
-from .places import DEVICE, FILE, HOST_PLACES, WORDS
-from .plan import Figures, Plan, make_plan, resolve
-from .prefixring import PrefixRing
-from .resources import StoreResources
-from .ring import LayerOrder
-from .stats import Snapshot, StoreStats
-from .store import KVStore
+from ..codec import Compact, codec_for
+from ..config import HostServices, Mode, OffloadConfig
+from ..devices import unified_memory_reason
+from ..guards import Consumer, Owner, engine_mode, one_consumer
+from ..hostfacts import free_device_memory, free_host_memory, same_pool_reason
+from ..hostmem import pin_room
+from ..layers import Layers
+from ..places import DEVICE, FILE, HOST_PLACES, WORDS
+from ..plan import Figures, Plan, make_plan, resolve
+from ..resources import StoreResources
+from ..ring import LayerOrder
+from ..stats import Snapshot, StoreStats
+from ..store import KVStore
+from .packing import Packing, packed_width
+from .ring import PrefixRing
+from .shape import GrowingShape, working_pair
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class GrowingShape:
-    """Every layer's working pair: K and V of (batch, capacity, heads, head_dim) in `dtype`."""
-
-    batch: int
-    capacity: int
-    heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-    @property
-    def pair(self) -> Tuple[int, int, int, int]:
-        return (self.batch, self.capacity, self.heads, self.head_dim)
-
-    def bytes(self, tokens: int) -> int:
-        """K and V of `tokens` tokens of one layer."""
-        return 2 * self.batch * tokens * self.heads * self.head_dim * torch.empty(0, dtype=self.dtype).element_size()
-
-
-def working_pair(streams, shape: GrowingShape) -> Tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer at full capacity on the device (from the caching allocator on the current stream)."""
-    half = shape.bytes(shape.capacity) // 2
-    return tuple(streams.empty(half).view(shape.dtype).view(shape.pair) for _ in range(2))
 
 
 class GrowingKVStore:
@@ -72,7 +47,7 @@ class GrowingKVStore:
 
     Args:
         config: a validated `OffloadConfig` (mode other than `off`). With storage fp8 / int8 the streamed layers
-            keep each block packed (`growcodec.py`); resident layers stay exact (they are the working pairs).
+            keep each block packed (`packing.py`); resident layers stay exact (they are the working pairs).
         device: where the consumer computes; `view` returns tensors there.
         shape: every layer's working pair (`GrowingShape`). layers: how many layers the consumer has.
         host, name: as for `KVStore`.

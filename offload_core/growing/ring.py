@@ -14,10 +14,10 @@ from typing import Callable, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from .devices import DONE, Fence, Streams
-from .ring import LayerOrder
-from .stats import StoreStats
-from .tiers import Pending
+from ..devices import DONE, Fence, Streams
+from ..ring import LayerOrder
+from ..stats import StoreStats
+from ..tiers import Pending
 
 
 class PrefixSlot:
@@ -41,7 +41,7 @@ class PrefixRing:
 
     load(key, k, v, release) -> Pending queues layer `key`'s committed prefix into `k`, `v` (the slot's first
     tokens); committed(key) -> its committed tokens now; new_pair() -> a fresh working pair on the device;
-    packing: with a codec (`growcodec.Packing`), prefixes load packed and are unpacked when served.
+    packing: with a codec (`packing.Packing`), prefixes load packed and are unpacked when served.
     """
 
     def __init__(self, depth: int, streams: Streams, order: LayerOrder, stats: StoreStats,
