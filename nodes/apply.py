@@ -45,7 +45,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
     if family is None:  # before any patch is touched: an upstream FluxKVCache keeps working
         return m, _said(logging.WARNING, f"KV Offload: {type(dm).__name__} has no reference K/V seam this pack "
                         "knows (FLUX.2 Klein KV, Qwen-Image, Qwen-Image-Edit, Qwen-Image 2.1 on ComfyUI versions "
-                        "that have it, Wan Animate 2); model unchanged.")
+                        "that have it, Wan Animate 2, Causal-WAN AR video); model unchanged.")
     device = getattr(m, "load_device", None)  # ComfyUI's ModelPatcher: where sampling computes
     if device is not None and config.mode is not Mode.OFF:
         KVStore.check_config(config, device)  # a pair no store can serve fails here, before any patch
@@ -55,7 +55,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
     config, notes = family.patch(m, dm, config, to, reuse)
     if config.mode is Mode.OFF:
         add_readout_wrappers(m, telemetry)
-        return m, _said(logging.INFO, f"KV Offload: mode off on {family.name}: the prefix is recomputed every step.")
+        return m, _said(logging.INFO, " ".join([f"KV Offload: mode off on {family.name}: {family.off}.", *notes]))
     add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family,
                                   telemetry=guarded(telemetry), store_factory=store_factory,
                                   reuse=reuse if keeps else False))

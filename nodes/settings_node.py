@@ -14,7 +14,7 @@ from .telemetry import TELEMETRY
 MODE_TOOLTIP = (
     "Where the reference-image K/V cache lives between denoising steps. "
     "auto: the fastest places that the free VRAM / RAM / pinned budget hold now, layer by layer. "
-    "off: no cache, the prefix is recomputed every step. "
+    "off: no cache, the prefix is recomputed every step (AR video: ComfyUI's own cache, on the GPU). "
     "gpu: in VRAM (same as ComfyUI's Flux KV Cache). "
     "ram_sync / ram_async: host RAM, copied back layer by layer (async: pinned, prefetched behind compute). "
     "file_sync / file_async: files in a private folder beside ComfyUI's temp folder, deleted after the run "
@@ -60,10 +60,12 @@ class KVOffloadSettings(io.ComfyNode):
             display_name="KV Offload Settings",
             category="kv_offload",
             description="Moves the reference-image attention K/V cache of FLUX.2 Klein KV, Qwen-Image, "
-                        "Qwen-Image-Edit and Qwen-Image 2.1, and Wan Animate 2's pose cache, out of VRAM "
+                        "Qwen-Image-Edit and Qwen-Image 2.1, Wan Animate 2's pose cache and the KV cache of ComfyUI's "
+                        "autoregressive video sampler (Causal-WAN), out of VRAM "
                         "and brings each layer back just before it is needed. " + qwen21_support(),
             inputs=[
-                io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1 or Wan Animate 2 model."),
+                io.Model.Input("model", tooltip="A FLUX.2 Klein KV, Qwen-Image(-Edit), Qwen-Image 2.1, Wan Animate 2 or "
+                               "Causal-WAN (AR video) model."),
                 io.Combo.Input("mode", options=MODES, default="auto", tooltip=MODE_TOOLTIP),
                 io.Int.Input("prefetch_depth", default=1, min=1, max=MAX_PREFETCH_DEPTH,
                              tooltip=TOOLTIPS["prefetch_depth"]),

@@ -22,7 +22,7 @@ from .state import RunState
 
 log = logging.getLogger(__name__)
 
-OUTER_SAMPLE, DIFFUSION_MODEL = "outer_sample", "diffusion_model"
+OUTER_SAMPLE, DIFFUSION_MODEL, APPLY_MODEL = "outer_sample", "diffusion_model", "apply_model"
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def copy_nested_dicts(d: dict) -> dict:
 
 def remove_wrappers(m) -> None:
     """Remove the wrappers (and so the run spec) an earlier KV Offload node added to `m`."""
-    for kind in (OUTER_SAMPLE, DIFFUSION_MODEL):
+    for kind in (OUTER_SAMPLE, DIFFUSION_MODEL, APPLY_MODEL):
         m.remove_wrappers_with_key(kind, WRAPPER_KEY)
 
 
@@ -80,7 +80,7 @@ def add_readout_wrappers(m, telemetry) -> None:
         m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _readout_step(readout))
 
 
-def _transformer_options(args, kwargs) -> dict:
+def transformer_options_of(args, kwargs) -> dict:
     to = kwargs.get(TRANSFORMER_OPTIONS)
     if isinstance(to, dict):
         return to
@@ -103,7 +103,7 @@ def run_then(executor, args, kwargs, then: Callable[[bool], None]):
 
 def diffusion_model_wrapper(executor, *args, **kwargs):
     """DIFFUSION_MODEL wrapper: brackets one forward (per cond batch per step) for the run state."""
-    to = _transformer_options(args, kwargs)
+    to = transformer_options_of(args, kwargs)
     run = live_run(to)
     if run is not None and capturing():
         run.stand_down("the forward runs under CUDA graph capture, which replays recorded kernels and cannot "

@@ -14,7 +14,7 @@ from ._version import package_version
 
 # public name -> the module that defines it
 _EXPORTS = {"HostServices": ".config", "Mode": ".config", "OffloadConfig": ".config", "memory_snapshot": ".memory",
-            "KVStore": ".store", "KVFileError": ".tiers", "KVWriteError": ".tiers", "passive": ".fingerprint"}
+            "KVStore": ".store", "GrowingKVStore": ".growing", "GrowingShape": ".growing", "KVFileError": ".tiers", "KVWriteError": ".tiers", "passive": ".fingerprint"}
 
 __all__ = sorted(_EXPORTS)
 __version__ = package_version()  # from pyproject.toml: the one place the version is written

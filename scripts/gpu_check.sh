@@ -14,7 +14,8 @@
 #   5. `bench --pose --size full`: Wan Animate 2's pose-branch cache at Wan 14B's width (5120, 40 blocks,
 #      480x832, bf16) for a short clip (POSE_FRAMES, default 17: 5 latent frames, 76 MiB a block, 3.0 GiB),
 #      in gpu, RAM, files and RAM under a budget that spills, every block taken checked bit for bit;
-#   6. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
+#   6. the AR video cache at Wan 2.1 1.3B layer shapes (`python -m offload_core arvideo`, 81 frames, every mode);
+#   7. the streaming benchmark (`python -m offload_core stream`), where this version of the engine has it.
 #
 # Within 10 minutes on one H100/H200-class GPU: the whole check has a budget (GPU_CHECK_BUDGET, 570 s) and
 # each step a time limit of its own, cut to what is left of the budget; a step the budget no longer reaches is
@@ -124,6 +125,12 @@ if [ "$with_diffusers" = 1 ]; then
 fi
 step pose "${POSE_TIMEOUT:-60}" "$py" -m offload_core bench --pose --size "$size" --frames "${POSE_FRAMES:-17}" \
     --device "$device" --runs "$runs" --json "$out/pose.json"
+# The AR video cache (Causal-WAN) on the engine alone: Wan 2.1 1.3B layer shapes, 81 frames at 480x832 (5.6 GiB
+# bf16), blocks of 3 latent frames, 4 + 1 forwards a block, every mode; the tiny size: a 9-frame 96x160 video.
+ar_size=(--frames "${ARVIDEO_FRAMES:-81}")
+[ "$size" = tiny ] && ar_size=(--frames 9 --height 96 --width 160)
+step arvideo "${ARVIDEO_TIMEOUT:-120}" "$py" -m offload_core arvideo --model 1.3b "${ar_size[@]}" --device "$device" \
+    --json "$out/arvideo.json"
 read -r -a stream_args <<< "${GPU_CHECK_STREAM_ARGS:---rounds 3 --sweep-mib 64}"
 step stream "${STREAM_TIMEOUT:-45}" "$py" -m offload_core stream --device "$device" "${stream_args[@]}"
 step tests 45 "$py" -m pytest -q "${select[@]}" --junitxml="$out/tests.xml" "${suites[@]}"

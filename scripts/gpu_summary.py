@@ -192,6 +192,31 @@ def pose_rows(folder: str, step: str, title: str) -> list:
     return out or [(title, FAIL, "no rows")]
 
 
+def arvideo_rows(folder: str, step: str, title: str) -> list:
+    """`python -m offload_core arvideo`: a row passes when the whole video's cache read back was what was written."""
+    rc = _rc(folder, step)
+    if rc is None:
+        return _not_run(folder, step, title)
+    try:
+        with open(os.path.join(folder, f"{step}.json")) as f:
+            rows = json.load(f)
+    except (OSError, ValueError):
+        log = _read(os.path.join(folder, f"{step}.log"))
+        if rc != 0 and any(marker in log for marker in ABSENT_MARKERS):
+            return [(title, NOTE, "not in this version of the engine: skipped")]
+        return [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    base = next((r["step_s"] for r in rows if r["mode"] == "gpu"), None)
+    out = [] if rc in (0, 1) else [(title, FAIL, f"exit {rc}: {_last_line(folder, step)}")]
+    for r in rows:
+        vs = f" ({r['step_s'] / base:.2f}x gpu)" if base else ""
+        detail = (f"peak on device {r['peak_device_bytes'] / 2**30:.2f} GiB ({100 * r['peak_device_share']:.1f} %), "
+                  f"moved {r['moved_per_forward_bytes'] / 2**20:.0f} MiB/forward, files {r['file_bytes'] / 2**30:.2f} "
+                  f"GiB, step {1000 * r['step_s']:.0f} ms{vs}, wait {r['exposed_wait_s']:.2f} s, "
+                  + ("exact" if r["exact"] else "NOT exact"))
+        out.append((f"{title}: {r['mode']}", PASS if r["exact"] else FAIL, detail))
+    return out or [(title, FAIL, "no rows")]
+
+
 def multigpu_row(folder: str, step: str, title: str) -> list:
     """The multi-GPU case runs on a host with two GPUs or more; elsewhere the script says it skipped it."""
     skipped = _read(os.path.join(folder, f"{step}.skipped")).strip()
@@ -220,6 +245,7 @@ STEPS = [
     (batch_rows, "batch-qwen21", "batch 4 vs 1, Qwen-Image 2.1"),
     (batch_rows, "batch-flux2", "batch 4 vs 1, FLUX.2 klein 9B"),
     (pose_rows, "pose", "pose cache, Wan 14B width"),
+    (arvideo_rows, "arvideo", "AR video cache, Wan 1.3B shapes"),
     (optional_row, "stream", "streaming benchmark"),
     (pytest_row, "tests", "gpu tests"),
     (multigpu_row, "multigpu", "multi-GPU sampling, 2 GPUs"),

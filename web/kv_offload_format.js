@@ -91,6 +91,19 @@ export function deviceRow(d) {
   return row(d.device || "device", `${memory} · ${kv} · wait ${formatDuration(d.exposed_wait_s)}`, "process");
 }
 
+// A growing cache (autoregressive video, `stats()["growing"]`): "12480/32760 tokens · 2.10 GiB of 5.62 GiB ·
+// moved 1.20 GiB/step · 1 layer moved to files"; null for a store of a fixed prefix.
+export function growingLine(store) {
+  const g = store.growing;
+  if (!g || typeof g !== "object" || !isKnown(g.tokens) || !isKnown(g.capacity_tokens)) return null;
+  const parts = [`${g.tokens}/${g.capacity_tokens} tokens`,
+    `${formatBytes(g.committed_bytes)} of ${formatBytes(g.capacity_bytes)}`,
+    `moved ${formatBytes(g.step_bytes)}/step`];
+  const moves = Array.isArray(g.moves) ? g.moves.length : 0;
+  if (moves) parts.push(`${moves} layer${moves === 1 ? "" : "s"} moved to files`);
+  return parts.join(" \u00b7 ");
+}
+
 export function storeRows(store) {
   const rows = [row("mode", modeLine(store), "store")];
   if (store.reason && store.reason !== "requested") rows.push(row("why", store.reason, "store"));
@@ -99,6 +112,8 @@ export function storeRows(store) {
   } else {
     rows.push(row("holds", formatPlaces(store.bytes), "store"));
   }
+  const grows = growingLine(store);
+  if (grows) rows.push(row("grows", grows, "store"));
   const rowsLine = batchRowsLine(store);
   if (rowsLine) rows.push(row("batch rows", rowsLine, "store"));
   const layers = isKnown(store.resident_layers) && isKnown(store.layers) ? ` \u00b7 ${store.resident_layers}/${store.layers} layers` : "";

@@ -107,6 +107,25 @@ class Tier(abc.ABC):
     note: Optional[str] = None  # a fact the store's reason should carry (e.g. files on a RAM-backed filesystem)
     own_slots = False  # the ring has this tier make its slots (it reads into slots it made, without staging)
 
+    # Growing layers (`growing.store.GrowingKVStore`): a layer that grows by blocks of tokens and is read as a prefix.
+    # append(key, k, v, at) -> Fence: keeps tokens [at, at + n) of layer `key` (k, v: (B, n, H, D) on the device,
+    #     maybe a view of a ring slot); the first append opens the layer, every later one adds to its end. Its
+    #     copy is queued after the consumer's work so far, and before any later load into a slot (side stream,
+    #     first in first out); the fence returned is after that copy: the consumer's stream must wait for it
+    #     before it writes over the source. Each block is kept once: nothing already kept is written again.
+    # load_prefix(key, k, v, release) -> Pending: copies the layer's first `k.shape[1]` tokens (whole blocks) into
+    #     `k` and `v` (slices of a device slot), not before `release`.
+    # drop_growing(key): forgets a growing layer (a move to another place).
+
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
+        raise TypeError(f"{type(self).__name__} keeps no growing layers; layer {key!r} cannot grow here.")
+
+    def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
+        raise TypeError(f"{type(self).__name__} keeps no growing layers; layer {key!r} cannot be read here.")
+
+    def drop_growing(self, key: Hashable) -> None:
+        """Frees growing layer `key` (a no-op for one this tier does not hold)."""
+
     @abc.abstractmethod
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         """Keeps a private copy of layer `key`."""

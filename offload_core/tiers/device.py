@@ -3,11 +3,11 @@ and the resident layers of every mode)."""
 
 from __future__ import annotations
 
-from typing import Dict, Hashable, Tuple
+from typing import Callable, Dict, Hashable, Tuple
 
 import torch
 
-from ..devices import Fence
+from ..devices import DONE, Fence
 from ..layout import LayerLayout, views
 from ..places import DEVICE
 from .base import Pending, Tier, TierContext
@@ -26,6 +26,7 @@ class DeviceTier(Tier):
     def __init__(self, ctx: TierContext):
         self._streams = ctx.streams
         self._layers: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor, int, LayerLayout]] = {}
+        self._growing: Dict[Hashable, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._bytes = 0
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
@@ -56,11 +57,42 @@ class DeviceTier(Tier):
         self._streams.copy(dst_v, v)
         return Pending(self._streams.record())
 
+    # -- growing layers: kept at full capacity where the consumer computes, as upstream's own caches ----------
+    def open_growing(self, key: Hashable, make: Callable[[], Tuple[torch.Tensor, torch.Tensor]]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V of growing layer `key` at full capacity (B, S, H, D), made by `make` the first time: the
+        consumer's working buffers, written in place; tokens are kept once `append` says so (nothing moves)."""
+        pair = self._growing.get(key)
+        if pair is None:
+            pair = self._growing[key] = make()
+            self._bytes += 2 * pair[0].numel() * pair[0].element_size()
+        return pair
+
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
+        own_k, own_v = self._growing[key]
+        for own, t in ((own_k, k), (own_v, v)):
+            dst = own[:, at:at + t.shape[1]]
+            if dst.data_ptr() != t.data_ptr():  # else the consumer wrote the block in place: nothing to copy
+                self._streams.copy(dst, t)
+        return DONE  # on the consumer's stream: in order with whatever it does next
+
+    def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
+        own_k, own_v = self._growing[key]
+        self._streams.copy(k, own_k[:, :k.shape[1]])
+        self._streams.copy(v, own_v[:, :v.shape[1]])
+        return Pending(self._streams.record())
+
+    def drop_growing(self, key: Hashable) -> None:
+        pair = self._growing.pop(key, None)
+        if pair is not None:
+            self._bytes -= 2 * pair[0].numel() * pair[0].element_size()
+
     def nbytes(self) -> Dict[str, int]:
         return {DEVICE: self._bytes}
 
     def close(self) -> None:
         self._layers.clear()
+        self._growing.clear()
         self._bytes = 0
 
 

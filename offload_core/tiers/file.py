@@ -29,6 +29,7 @@ from ..layout import LayerLayout
 from ..places import FILE, PAGEABLE, PINNED
 from .base import Pending, Tier, TierContext
 from . import diskfit
+from .fileappend import GrowingFiles
 from .fileio import KVWriteError, checksum_module, os_cause, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
 from .fileread import Reader
@@ -91,10 +92,21 @@ class FileTier(Tier):
                               self._lanes["write"], self._stuck, writes=self.io.depth)
         reads = {name: lane for name, lane in self._lanes.items() if name.startswith("read")}
         self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
+        self._grow = GrowingFiles(ctx, self.directory, self.cache_mode, self._lanes["write"],
+                                  self._lanes.get("read_start"), self._names)
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
         path = os.path.join(self.directory, f"layer-{len(self._files):05d}.safetensors")
         self._files[key] = self._writer.write(key, k, v, layout, path)
+
+    def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
+        return self._grow.append(key, k, v, at)  # a growing layer: one file, each block appended once (fileappend.py)
+
+    def load_prefix(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, release: Fence) -> Pending:
+        return self._grow.load(key, k, v, release)
+
+    def drop_growing(self, key: Hashable) -> None:
+        self._grow.drop(key)
 
     # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
@@ -142,6 +154,7 @@ class FileTier(Tier):
                 first = first or exc
         if first is not None:
             raise first
+        self._grow.flush()
 
     def seal(self) -> None:
         """`flush`, then frees the write staging at once (the store takes no more puts)."""
@@ -152,14 +165,14 @@ class FileTier(Tier):
     def nbytes(self) -> Dict[str, int]:
         staging = self._reader.staging.buffers() + self._writer.staging.buffers()
         return {
-            FILE: sum(e.total for e in list(self._files.values()) if e.written),  # snapshot (any thread); written only
+            FILE: sum(e.total for e in list(self._files.values()) if e.written) + self._grow.nbytes(),  # written only
             PINNED: sum(b.nbytes for b in staging if b.pinned),
             PAGEABLE: sum(b.nbytes for b in staging if not b.pinned),
         }
 
     def info(self) -> Dict[str, object]:
         mode = self.cache_mode if self.ram_fs is None else f"{self.ram_fs}: in RAM"
-        return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values())),
+        return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values())) + self._grow.count(),
                 "file_io": self.io.as_dict()}
 
     def _stop_io(self) -> List[str]:
@@ -205,6 +218,8 @@ class FileTier(Tier):
             interrupt = interrupt or exc
         finally:
             self._files.clear()
+            if not abandoned:
+                self._grow.close()  # the descriptors go before the directory (Windows refuses to delete open files)
             if not abandoned:
                 self._host_slots.clear()  # the store drops its slots too; nothing reads into them any more
             try:

@@ -132,6 +132,8 @@ def comfy(tmp_path_factory):
                    check=True, cwd=tmp, capture_output=True, timeout=300)
     subprocess.run([python, str(HERE / "make_tiny_wan_animate2.py"), str(comfy_path),
                     str(models / "tiny_wan_animate2.safetensors")], check=True, cwd=tmp, capture_output=True, timeout=300)
+    subprocess.run([python, str(HERE / "make_tiny_causal_wan.py"), str(comfy_path),
+                    str(models / "tiny_causal_wan.safetensors")], check=True, cwd=tmp, capture_output=True, timeout=300)
     config = tmp / "extra_model_paths.yaml"
     config.write_text(f"kv_offload_tests:\n  base_path: {tmp}\n  custom_nodes: custom_nodes\n"
                       "  diffusion_models: models/diffusion_models\n")

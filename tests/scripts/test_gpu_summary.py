@@ -156,3 +156,23 @@ def test_a_real_pose_json_passes_and_an_inexact_or_refused_one_is_told(tmp_path,
     assert gpu_summary.pose_rows(str(tmp_path), "pose", "pose")[0][1] == "note"
     write(tmp_path, "pose", 139, "Segmentation fault\n")
     assert gpu_summary.pose_rows(str(tmp_path), "pose", "pose")[0][1] == "FAIL"
+
+
+def test_a_real_arvideo_json_passes_and_an_inexact_one_fails(tmp_path, one_torch_thread):
+    from offload_core.bench.arvideo import main
+
+    path = tmp_path / "arvideo.json"
+    assert main(["--frames", "5", "--height", "32", "--width", "48", "--steps", "1", "--compute-ms", "0",
+                 "--device", "cpu", "--modes", "gpu,ram_async,file_async", "--json", str(path)]) == 0
+    write(tmp_path, "arvideo", 0)
+    rows = gpu_summary.arvideo_rows(str(tmp_path), "arvideo", "arvideo")
+    assert [r[0] for r in rows] == ["arvideo: gpu", "arvideo: ram_async", "arvideo: file_async"]
+    assert all(r[1] == "pass" and "exact" in r[2] for r in rows) and "(1.00x gpu)" in rows[0][2]
+    data = json.loads(path.read_text())
+    data[2]["exact"] = False
+    path.write_text(json.dumps(data))
+    write(tmp_path, "arvideo", 1)
+    assert gpu_summary.arvideo_rows(str(tmp_path), "arvideo", "arvideo")[2][1] == "FAIL"
+    (tmp_path / "arvideo.json").unlink()
+    write(tmp_path, "arvideo", 2, "python -m offload_core: unknown command 'arvideo'\n")
+    assert gpu_summary.arvideo_rows(str(tmp_path), "arvideo", "arvideo")[0][1] == "note"

@@ -4,7 +4,7 @@ import assert from "node:assert/strict";
 
 import {
   UNKNOWN, barWidth, buildCompact, buildReadout, formatBytes, formatDuration, formatOf, formatPercent,
-  batchRowsLine, formatPlaces, formatRate, isRunOf, readoutText, rowLead, statusLine, storeRows,
+  batchRowsLine, formatPlaces, growingLine, formatRate, isRunOf, readoutText, rowLead, statusLine, storeRows,
 } from "../../web/kv_offload_format.js";
 
 const GiB = 2 ** 30;
@@ -265,4 +265,14 @@ test("the run's notes (a cache that stepped aside, the compiler turned off) show
   assert.deepEqual(status.rows.map((r) => [r.label, r.value]).slice(1),
                    [["note", "ComfyUI's compiler is off for this run: reason"]]);
   assert.equal(buildReadout(cudaPayload())[0].rows.length, 1, "no notes, no rows");
+});
+
+test("a growing cache (AR video) shows its tokens, bytes, what a step moved and the layers moved down", () => {
+  const [store] = cudaPayload().stores;
+  const growing = { tokens: 12480, capacity_tokens: 32760, committed_bytes: 2 * GiB, capacity_bytes: 5.5 * GiB,
+    step_bytes: 1.2 * GiB, moves: ["layer 29 in pinned RAM -> in files at 12480 tokens: free RAM reached"] };
+  const rows = rowsOf(buildReadout(cudaPayload({ stores: [{ ...store, growing }] })));
+  assert.equal(rows["KV cond/grows"].value,
+    "12480/32760 tokens \u00b7 2.00 GiB of 5.50 GiB \u00b7 moved 1.20 GiB/step \u00b7 1 layer moved to files");
+  assert.equal(growingLine(store), null, "a fixed prefix: no row");
 });

@@ -139,6 +139,55 @@ class KVOffloadTestFailAt:
         return (m,)
 
 
+class KVOffloadTestARInitialLatent:
+    """What `ARVideoI2V` puts on the model once its VAE encoded the start image: a seeded random latent frame
+    (1, 16, 1, h, w) under `transformer_options["ar_config"]["initial_latent"]`, which `sample_ar_video` runs at
+    sigma 0 to seed the KV cache (no VAE needed)."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "seed": ("INT", {"default": 0, "min": 0, "max": 2 ** 31}),
+                             "height": ("INT", {"default": 4, "min": 1, "max": 1024}),
+                             "width": ("INT", {"default": 4, "min": 1, "max": 1024})}}
+
+    def make(self, model, seed, height, width):
+        g = torch.Generator().manual_seed(seed)
+        m = model.clone()
+        to = m.model_options.setdefault("transformer_options", {})
+        to.setdefault("ar_config", {})["initial_latent"] = torch.randn(1, 16, 1, height, width, generator=g)
+        return (m,)
+
+
+class KVOffloadTestFailAtCall:
+    """Raises RuntimeError in the `calls`-th model call (an APPLY_MODEL wrapper): an error in the middle of a run
+    of any model."""
+
+    CATEGORY = "kv_offload/testing"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "calls": ("INT", {"default": 8, "min": 1, "max": 1 << 20})}}
+
+    def make(self, model, calls):
+        seen = [0]
+
+        def fail(executor, *args, **kwargs):
+            seen[0] += 1
+            if seen[0] == calls:
+                raise RuntimeError("test failure in the middle of sampling")
+            return executor(*args, **kwargs)
+
+        m = model.clone()
+        m.add_wrapper_with_key("apply_model", "kv_offload_test_fail", fail)
+        return (m,)
+
+
 class KVOffloadTestMode:
     """A mode as a link (what a primitive or a switch node feeds a combo input)."""
 
@@ -180,4 +229,6 @@ NODE_CLASS_MAPPINGS = {
     "KVOffloadTestTinyQwenImage": KVOffloadTestTinyQwenImage,
     "KVOffloadTestPoseConditioning": KVOffloadTestPoseConditioning,
     "KVOffloadTestFailAt": KVOffloadTestFailAt,
+    "KVOffloadTestARInitialLatent": KVOffloadTestARInitialLatent,
+    "KVOffloadTestFailAtCall": KVOffloadTestFailAtCall,
 }
