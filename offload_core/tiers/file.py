@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import itertools
 import logging
 import os
 import time
@@ -86,6 +87,7 @@ class FileTier(Tier):
         for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
             self._lanes[name] = IOPool(1, f"kv_offload_{name}")
         self._files: Dict[Hashable, LayerFile] = {}
+        self._names = itertools.count()  # layer file numbers, shared by whole and growing layers
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
         self._writer = Writer(ctx, self.directory, self.cache_mode, self.io.request, self._chunks, self._hashes,
@@ -96,7 +98,7 @@ class FileTier(Tier):
                                   self._lanes.get("read_start"), self._names)
 
     def store(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout) -> None:
-        path = os.path.join(self.directory, f"layer-{len(self._files):05d}.safetensors")
+        path = os.path.join(self.directory, f"layer-{next(self._names):05d}.safetensors")
         self._files[key] = self._writer.write(key, k, v, layout, path)
 
     def append(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, at: int) -> Fence:
