@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..offload_core.config import Mode, OffloadConfig
-from ..offload_core.places import MiB
-from .reuse import ALWAYS
+from ..offload_core.store.places import MiB
+from .run.reuse import ALWAYS
 
 MODES = [m.value for m in Mode]
 STORAGES = ["exact", "fp8", "int8"]

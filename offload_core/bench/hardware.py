@@ -10,7 +10,7 @@ import tempfile
 import psutil
 import torch
 
-from ..places import GiB
+from ..store.places import GiB
 
 
 def _cpu_name() -> str:

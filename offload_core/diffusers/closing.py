@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 
 from .. import KVStore
-from ..places import MiB
-from ..prefix import PrefixKey
-from ..reuse import PrefixRegistry
+from ..store.places import MiB
+from ..reuse.prefix import PrefixKey
+from ..reuse.registry import PrefixRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ import weakref
 import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
-from ..fingerprint import ModelState, Unkeyable, model_state, plain
-from ..prefix import PrefixKey
-from ..reuse import PrefixRegistry
-from ..reusecost import ReuseCost, StepTimes
+from ..reuse.fingerprint import ModelState, Unkeyable, model_state, plain
+from ..reuse.prefix import PrefixKey
+from ..reuse.registry import PrefixRegistry
+from ..reuse.cost import ReuseCost, StepTimes
 from .closing import close_or_keep, give_back, log_summary, raise_first
 from .keys import attention_backend, check_numerics, is_ours
 from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode

@@ -15,10 +15,10 @@ from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
-from ..devices import DONE, Fence, Streams
-from ..hostmem import HostAllocator
-from ..layout import LayerLayout
-from .iopool import load_timeout
+from ..host.devices import DONE, Fence, Streams
+from ..host.hostmem import HostAllocator
+from ..store.layout import LayerLayout
+from .file.iopool import load_timeout
 
 TRANSFER_TIMEOUT_S = load_timeout()  # a load that has not finished by then is a hang, not a slow disk
 

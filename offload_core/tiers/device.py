@@ -7,9 +7,9 @@ from typing import Callable, Dict, Hashable, Tuple
 
 import torch
 
-from ..devices import DONE, Fence
-from ..layout import LayerLayout, views
-from ..places import DEVICE
+from ..host.devices import DONE, Fence
+from ..store.layout import LayerLayout, views
+from ..store.places import DEVICE
 from .base import Pending, Tier, TierContext
 
 
