@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..offload_core.config import Mode, OffloadConfig
-from ..offload_core.store.places import MiB
+from ..offload_core.places import MiB
 from .run.reuse import ALWAYS
 
 MODES = [m.value for m in Mode]

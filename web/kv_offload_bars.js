@@ -8,7 +8,7 @@
 
 import { UNKNOWN, formatBytes, formatPercent, isKnown, sub, sumKnown } from "./kv_offload_units.js";
 
-// Where a KV cache's bytes lie, fastest first (`offload_core/store/places.py`): payload key, segment key (its colour),
+// Where a KV cache's bytes lie, fastest first (`offload_core/places.py`): payload key, segment key (its colour),
 // name in legends, name in the readout's rows, name in the Settings node's compact line.
 export const KV_PLACES = [
   { place: "device", key: "kv-device", name: "KV on device", row: "device", short: "device" },

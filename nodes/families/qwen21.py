@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from ...offload_core.config import Mode
-from ...offload_core.store.layout import stacked
+from ...offload_core.layout import stacked
 from ..run.branch import BranchCache
 from .cache_dtype import storage_for_qwen21
 from ..keys import OUR_PATCH, QWEN21_OFF, QWEN21_OPTIONS, RUN_KEY

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 
 from ...offload_core.config import OffloadConfig
-from ...offload_core.store.layout import layout_for
-from ...offload_core.store.places import PAGEABLE, PINNED
+from ...offload_core.layout import layout_for
+from ...offload_core.places import PAGEABLE, PINNED
 from ..run.branch import BranchCache, layer_bytes
 from .cache_dtype import storage_for_cache_dtype
 from ..keys import ANIMATE2_CACHE

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from ...offload_core import Mode, OffloadConfig
-from ...offload_core.store.places import DEVICE, FILE, HOST_PLACES, MiB
+from ...offload_core.places import DEVICE, FILE, HOST_PLACES, MiB
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: a key tensor has no truth value

@@ -12,7 +12,7 @@ import math
 import weakref
 from typing import Any, Callable, Optional
 
-from ...offload_core.store.places import PLACES
+from ...offload_core.places import PLACES
 
 log = logging.getLogger(__name__)
 

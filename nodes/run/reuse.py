@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from ...offload_core.reuse.fingerprint import Unkeyable, model_state, plain
-from ...offload_core.store.places import FILE
+from ...offload_core.places import FILE
 from ...offload_core.reuse.registry import PrefixKey, PrefixRegistry, describe
 from ...offload_core.reuse.cost import ReuseCost, StepTimes
 from .branch import CACHED, CAPTURE

@@ -16,7 +16,7 @@ import threading
 from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Optional
 
-from ...offload_core.store.places import HOST_PLACES
+from ...offload_core.places import HOST_PLACES
 from ...offload_core.store.kvstore import KVStore
 from ..readout.protocol import Readout
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Dict, List
 
-from ..store.places import GiB, MiB
+from ..places import GiB, MiB
 
 MODELS = {"1.3b": (30, 12, 128), "14b": (40, 40, 128)}  # layers, heads, head dim (dim = heads x head dim)
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]

@@ -16,7 +16,7 @@ from typing import Callable, List
 import numpy as np
 import torch
 
-from ..store.places import MiB
+from ..places import MiB
 
 BATCH = 4
 MODES = ("gpu", "ram_async", "file_async")

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..cli import cliargs
-from ..store.places import GiB
+from ..places import GiB
 from .pose import cli as posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows

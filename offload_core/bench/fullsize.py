@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from ..store.places import GiB
+from ..places import GiB
 from . import models
 
 QWEN21 = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,

@@ -10,7 +10,7 @@ import tempfile
 import psutil
 import torch
 
-from ..store.places import GiB
+from ..places import GiB
 
 
 def _cpu_name() -> str:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..diffusers import disable_kv_offload, enable_kv_offload
-from ..store.places import DEVICE, PLACES
+from ..places import DEVICE, PLACES
 from .probes import RssPeak, UpstreamKVProbe
 from .rows import Row
 

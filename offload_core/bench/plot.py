@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ..store.places import MiB
+from ..places import MiB
 from .report import device_memory_column, memory_axis
 
 # 15 rows and more: each gets its own colour and its own marker (tab20 colours, no two alike).

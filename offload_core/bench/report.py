@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..store.places import DEVICE, FILE, PAGEABLE, PINNED, MiB
+from ..places import DEVICE, FILE, PAGEABLE, PINNED, MiB
 from .rows import BASELINE_KEY
 from .verdict import SPREAD_LIMIT
 

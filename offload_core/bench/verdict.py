@@ -8,7 +8,7 @@ The measured rows then say what the pick costs here, and whether this run can te
 
 from __future__ import annotations
 
-from ..store.places import GiB, MiB
+from ..places import GiB, MiB
 from .rows import BASELINE_KEY
 
 SPREAD_LIMIT = 0.25  # a row whose slowest and fastest request differ by more than this share of its median

@@ -8,7 +8,7 @@ import time
 import torch
 
 from ..config import Mode, OffloadConfig
-from ..store.places import DEVICE, FILE, HOST_PLACES, MiB
+from ..places import DEVICE, FILE, HOST_PLACES, MiB
 from ..store.kvstore import KVStore
 
 # Where each mode keeps the cache between gets: the `bytes` entries of `KVStore.stats()` that must hold it all.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from .. import KVStore
-from ..store.places import MiB
+from ..places import MiB
 from ..reuse.prefix import PrefixKey
 from ..reuse.registry import PrefixRegistry
 

@@ -26,10 +26,10 @@ from ..store.codec import Compact, codec_for
 from ..config import HostServices, Mode, OffloadConfig
 from ..host.devices import unified_memory_reason
 from ..store.guards import Consumer, Owner, engine_mode, one_consumer
-from ..host.hostfacts import free_device_memory, free_host_memory, same_pool_reason
+from ..store.hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from ..host.hostmem import pin_room
 from ..store.layers import Layers
-from ..store.places import DEVICE, FILE, HOST_PLACES, WORDS
+from ..places import DEVICE, FILE, HOST_PLACES, WORDS
 from ..store.plan import Figures, Plan, make_plan, resolve
 from ..store.resources import StoreResources
 from ..store.ring import LayerOrder

@@ -28,7 +28,7 @@ from typing import Callable, List, Optional
 import psutil
 import torch
 
-from ..store.places import GiB
+from ..places import GiB
 
 log = logging.getLogger(__name__)
 

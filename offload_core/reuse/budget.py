@@ -9,7 +9,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import psutil
 
-from ..store.places import BUDGET_DEVICE, BUDGET_FILE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, MiB, budget_place
+from ..places import BUDGET_DEVICE, BUDGET_FILE, BUDGET_HOST, BUDGET_PLACES, DEVICE, PLACES, MiB, budget_place
 
 BudgetSpec = Union[None, int, Mapping[str, Optional[int]]]
 

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from ..store.places import BUDGET_PLACES, MiB
+from ..places import BUDGET_PLACES, MiB
 from .prefix import PrefixKey
 from .budget import BudgetSpec, limits, parse_budget, room_for, store_places
 from ..tiers import KVFileError

@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 
 from ..host import devices
-from .layout import LayerLayout, layout_for
+from ..layout import LayerLayout, layout_for
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integers, by element size
 

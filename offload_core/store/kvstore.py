@@ -27,10 +27,10 @@ from ..config import HostServices, Mode, OffloadConfig
 from .dedup import RowDedup, served_layout
 from ..host.devices import unified_memory_reason
 from .guards import Consumer, Owner, check_device, check_pair, engine_mode, one_consumer
-from ..host.hostfacts import free_device_memory, free_host_memory, same_pool_reason
+from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from ..host.hostmem import pin_room
-from .layout import LayerLayout, layout_for
-from .places import BUDGET_DEVICE, BUDGET_HOST, DEVICE
+from ..layout import LayerLayout, layout_for
+from ..places import BUDGET_DEVICE, BUDGET_HOST, DEVICE
 from .plan import ASSUMED_LAYERS, Figures, Plan, make_plan, resolve
 from .layers import Layers
 from .resources import StoreResources

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Hashable, Set
 
 from .codec import Compact
-from .layout import LayerLayout
-from .places import BUDGET_PLACES, DEVICE, PLACES, budget_place
+from ..layout import LayerLayout
+from ..places import BUDGET_PLACES, DEVICE, PLACES, budget_place
 
 
 @dataclass

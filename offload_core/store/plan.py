@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..config import Mode
-from .places import DEVICE, FILE, GiB, HOST_PLACES, KiB, MiB, PAGEABLE, PINNED, PLACES, WORDS
+from ..places import DEVICE, FILE, GiB, HOST_PLACES, KiB, MiB, PAGEABLE, PINNED, PLACES, WORDS
 
 RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
 ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)

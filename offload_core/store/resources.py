@@ -17,7 +17,7 @@ import torch
 from ..config import HostServices, OffloadConfig
 from ..host.devices import open_streams
 from .guards import Owner
-from ..host.hostfacts import host_dir
+from .hostfacts import host_dir
 from ..host.hostmem import HostAllocator
 from .layers import Layers
 from .ring import LayerOrder, SlotRing

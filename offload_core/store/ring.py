@@ -18,8 +18,8 @@ import torch
 
 from ..host.devices import DONE, Streams
 from .layers import Layers
-from .layout import TypedViews, typed_views, views
-from .places import DEVICE
+from ..layout import TypedViews, typed_views, views
+from ..places import DEVICE
 from .stats import StoreStats
 from ..tiers import Pending, Tier
 from ..tiers.device import check_unmodified

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .places import DEVICE, PLACES, MiB
+from ..places import DEVICE, PLACES, MiB
 
 STATS_VERSION = 1
 

@@ -17,7 +17,7 @@ import torch
 
 from ..host.devices import DONE, Fence, Streams
 from ..host.hostmem import HostAllocator
-from ..store.layout import LayerLayout
+from ..layout import LayerLayout
 from .file.iopool import load_timeout
 
 TRANSFER_TIMEOUT_S = load_timeout()  # a load that has not finished by then is a hang, not a slow disk

@@ -10,7 +10,7 @@ from typing import Hashable, List, Sequence, Tuple
 
 import torch
 
-from ..store.layout import LayerLayout
+from ..layout import LayerLayout
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Callable, Dict, Hashable, Tuple
 import torch
 
 from ..host.devices import DONE, Fence
-from ..store.layout import LayerLayout, views
-from ..store.places import DEVICE
+from ..layout import LayerLayout, views
+from ..places import DEVICE
 from .base import Pending, Tier, TierContext
 
 

@@ -15,8 +15,8 @@ import torch
 
 from ..host.devices import DONE, Fence, Streams
 from ..host.hostmem import HostBuffer
-from ..store.layout import LayerLayout, check_fits, layout_for, views
-from ..store.places import PAGEABLE, PINNED
+from ..layout import LayerLayout, check_fits, layout_for, views
+from ..places import PAGEABLE, PINNED
 from .base import LOADED, Pending, Tier, TierContext
 from .blocks import Block, covering, into, next_at
 

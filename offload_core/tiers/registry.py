@@ -14,7 +14,7 @@ from typing import Callable, Dict, Optional
 
 from ..host.devices import Streams
 from ..host.hostmem import HostAllocator
-from ..store.places import DEVICE, FILE, PAGEABLE, PINNED
+from ..places import DEVICE, FILE, PAGEABLE, PINNED
 from .base import Tier, TierContext
 from .device import DeviceTier
 from .file.tier import FileTier

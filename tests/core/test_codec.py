@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload_core.store.codec import Codec
-from offload_core.store.layout import layout_for
+from offload_core.layout import layout_for
 
 BOUNDS = {"fp8": 0.04, "int8": 0.015}
 

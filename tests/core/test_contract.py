@@ -10,7 +10,7 @@ import torch
 
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.store.layers import Layers
-from offload_core.store.layout import stacked
+from offload_core.layout import stacked
 from offload_core.store.ring import SlotRing
 
 from store_helpers import PLANS, TIERS, config_for, make_layers, put_all

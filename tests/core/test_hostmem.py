@@ -136,7 +136,7 @@ def test_auto_sees_what_other_stores_left_of_the_process_budget(monkeypatch):
 @pytest.mark.parametrize("hosted", [False, True], ids=["engine_pins", "host_pins"])
 def test_two_cuda_stores_share_one_pin_budget(monkeypatch, hosted):
     """Two real ram_async stores on CUDA (cond and uncond of a run) against one budget of 3 layers."""
-    from offload_core.store.layout import layout_for
+    from offload_core.layout import layout_for
 
     k = torch.randn(1 << 20, device="cuda").to(torch.bfloat16)
     layer = layout_for(k, k).data_bytes  # one host buffer per layer holds K and V

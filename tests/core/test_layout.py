@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload_core.store.layout import _runs, copy_in, copy_range, layout_for, stacked
+from offload_core.layout import _runs, copy_in, copy_range, layout_for, stacked
 
 SHAPES = [
     ("contiguous", lambda t: t),
@@ -62,7 +62,7 @@ def test_a_contiguous_host_range_is_copied_as_its_values(make):
 @pytest.mark.parametrize("start", [0, 4096, 3 << 20])  # a buffer at its storage's start, and slices of one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float64])
 def test_typed_views_are_the_views_in_one_call_each(dtype, start):
-    from offload_core.store.layout import TypedViews, typed_views, views
+    from offload_core.layout import TypedViews, typed_views, views
 
     k, v = torch.randn(2, 3, 50, 7).to(dtype), torch.randn(5, 1, 0).to(dtype)  # an empty V too
     for kk, vv in ((k, v), (k[0], k.reshape(-1)), (torch.tensor(3.0).to(dtype), k)):  # a scalar K
@@ -82,7 +82,7 @@ def test_typed_views_are_the_views_in_one_call_each(dtype, start):
 
 
 def test_a_view_outside_its_buffer_is_refused():
-    from offload_core.store import layout as lay
+    from offload_core import layout as lay
 
     k, v = torch.randn(3, 1000), torch.randn(3, 1000)
     layout = layout_for(k, v)
@@ -98,7 +98,7 @@ def test_a_view_outside_its_buffer_is_refused():
 
 
 def test_copy_range_refuses_a_range_its_buffer_cannot_hold():
-    from offload_core.store.layout import copy_range
+    from offload_core.layout import copy_range
 
     k, v = torch.randn(3, 1000), torch.randn(3, 1000)
     layout = layout_for(k, v)

@@ -5,7 +5,7 @@ import torch
 
 import offload_core.store.kvstore as store_module
 from offload_core import HostServices, KVStore, OffloadConfig
-from offload_core.store.places import GiB
+from offload_core.places import GiB
 from offload_core.store.plan import RESERVE_BYTES
 from offload_core.tiers.file import fileio, iopool
 

@@ -7,7 +7,7 @@ import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
 from offload_core.host.devices import unified_memory_reason
-from offload_core.store.places import FILE, HOST_PLACES, GiB
+from offload_core.places import FILE, HOST_PLACES, GiB
 from offload_core.store.plan import Figures, make_plan, resolve
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
-from offload_core.store.layout import ALIGN
+from offload_core.layout import ALIGN
 
 LOSSLESS_MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 MEASURED = ["gpu", "ram_async", "file_async"]  # also run without dedup, for the bytes it keeps and moves

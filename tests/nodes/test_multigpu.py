@@ -160,7 +160,7 @@ def test_auto_on_two_devices_never_books_the_same_free_ram_twice(tmp_path, monke
     from kv_offload_pack.nodes.apply import apply_offload
     from kv_offload_pack.nodes.inputs import config_from_inputs
     from kv_offload_pack.offload_core import HostServices
-    from kv_offload_pack.offload_core.store.places import HOST_PLACES
+    from kv_offload_pack.offload_core.places import HOST_PLACES
     from kv_offload_pack.offload_core.store.plan import RESERVE_BYTES
 
     from nodes_tiny import FakePatcher, TinyDiT

@@ -17,7 +17,7 @@ from kv_offload_pack.nodes.run.state import RunState
 from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
 from kv_offload_pack.nodes.families.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
-from kv_offload_pack.offload_core.store.places import HOST_PLACES
+from kv_offload_pack.offload_core.places import HOST_PLACES
 
 from nodes_tiny import FakePatcher
 from nodes_tiny import sample as sample_dit

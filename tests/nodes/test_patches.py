@@ -8,7 +8,7 @@ from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.run.state import RUN_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
-from kv_offload_pack.offload_core.store.places import MiB
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher, FluxKVCacheReference, TinyDiT, sample
 from patch_helpers import Recorder, inputs, no_files, run_mode

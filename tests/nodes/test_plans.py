@@ -11,7 +11,7 @@ from kv_offload_pack.nodes.families.cache_dtype import storage_for_qwen21
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.families.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
-from kv_offload_pack.offload_core.store.places import MiB
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher, TinyDiT, sample
 from patch_helpers import Spy, inputs

@@ -8,7 +8,7 @@ import torch
 from kv_offload_pack.nodes.families.flux import RefKVAttention
 from kv_offload_pack.nodes.run.state import CACHED, CAPTURE as EXTRACT, RUN_KEY, RunState
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
-from kv_offload_pack.offload_core.store.places import GiB
+from kv_offload_pack.offload_core.places import GiB
 
 
 # --- auto with CFG ------------------------------------------------------------------------------------------------

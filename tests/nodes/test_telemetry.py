@@ -265,7 +265,7 @@ def test_the_page_formatter_reads_the_hub_payload(hub, tmp_path):
 
 @pytest.mark.skipif(shutil.which("node") is None, reason="Node.js is not installed")
 def test_the_page_names_the_places_the_engine_keys_its_bytes_by():
-    from kv_offload_pack.offload_core.store.places import PLACES
+    from kv_offload_pack.offload_core.places import PLACES
 
     script = (f"import {{ KV_PLACES }} from {json.dumps((ROOT / 'web' / 'kv_offload_bars.js').as_uri())};\n"
               "console.log(JSON.stringify(KV_PLACES.map((p) => p.place)));\n")

@@ -11,7 +11,7 @@ from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
 from kv_offload_pack.nodes.families.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
-from kv_offload_pack.offload_core.store.places import MiB
+from kv_offload_pack.offload_core.places import MiB
 
 from nodes_tiny import FakePatcher
 from patch_helpers import Spy

@@ -9,7 +9,7 @@ import tempfile
 from typing import Optional
 
 from ...cli import cliargs
-from ...store.places import GiB, MiB
+from ...places import GiB, MiB
 
 FRAMES = 81
 MAX_WINDOWS = 16

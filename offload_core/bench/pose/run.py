@@ -24,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from ... import KVStore, OffloadConfig
-from ...store.places import HOST_PLACES, PLACES
+from ...places import HOST_PLACES, PLACES
 
 WAN_14B = {"dim": 5120, "num_layers": 40}  # ComfyUI's Wan 14B config (Wan Animate 2 is one)
 TINY_DIM = WAN_14B["dim"] // 40

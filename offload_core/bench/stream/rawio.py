@@ -25,7 +25,7 @@ from typing import Collection, Dict, List
 import torch
 
 from ...host.hostmem import HostBuffer
-from ...store.places import GiB
+from ...places import GiB
 from ...tiers.file.fileio import O_DIRECT, digest, drop_pages
 
 RING_CAP = 256 << 20  # the largest destination ring a pattern may use

@@ -10,7 +10,7 @@ from typing import Dict, List
 
 import torch
 
-from ...store.places import GiB
+from ...places import GiB
 from . import rawio
 
 NOISY = 1.2  # raw passes further apart than this (highest / lowest): the table says the run cannot settle 10 %

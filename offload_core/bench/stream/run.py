@@ -12,7 +12,7 @@ import torch
 
 from ... import KVStore, OffloadConfig
 from ...host.hostmem import HUGE_PAGES
-from ...store.places import GiB
+from ...places import GiB
 from ...tiers.file import fileio, fileowner
 from . import rawio, report as streamreport
 

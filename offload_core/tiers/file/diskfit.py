@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from ...host.env import env_int, is_set
 from ...host.hostmem import HostBuffer
-from ...store.places import GiB, MiB
+from ...places import GiB, MiB
 from . import fileio, fileos, iopool
 from .filesave import discard, pwrite_all, reserve
 

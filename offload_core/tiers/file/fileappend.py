@@ -19,7 +19,7 @@ from typing import Deque, Dict, Hashable, Iterator, List, Optional
 import torch
 
 from ...host.devices import DONE, Fence
-from ...store.layout import layout_for, views
+from ...layout import layout_for, views
 from . import fileos
 from ..base import LOADED, Pending, TierContext
 from ..blocks import Block, covering, into, next_at

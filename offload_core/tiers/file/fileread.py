@@ -22,7 +22,7 @@ import torch
 
 from ...host.devices import DONE, Fence
 from ...host.hostmem import HostBuffer
-from ...store.layout import ALIGN, check_fits
+from ...layout import ALIGN, check_fits
 from ..base import Pending, TierContext
 from .fileio import (KVFileError, checksum_module, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact)
 from .filewrite import LayerFile

@@ -10,7 +10,7 @@ import os
 import shutil
 from typing import List, Optional, Tuple
 
-from ...store.places import KiB, MiB
+from ...places import KiB, MiB
 from . import fileos
 from .fileio import KVWriteError, os_cause, drop_pages
 from .fileos import Handle

@@ -23,7 +23,7 @@ from typing import Hashable, List, Optional, Tuple
 import torch
 
 from ...host.hostmem import HostBuffer
-from ...store.layout import LayerLayout, copy_range, safetensors_header
+from ...layout import LayerLayout, copy_range, safetensors_header
 from . import fileos
 from ..base import TierContext
 from .fileos import Handle

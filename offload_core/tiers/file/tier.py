@@ -26,8 +26,8 @@ import torch
 
 from ...host.devices import Fence, Streams
 from ...host.hostmem import HostBuffer
-from ...store.layout import LayerLayout
-from ...store.places import FILE, PAGEABLE, PINNED
+from ...layout import LayerLayout
+from ...places import FILE, PAGEABLE, PINNED
 from ..base import Pending, Tier, TierContext
 from . import diskfit
 from .fileappend import GrowingFiles
