@@ -44,7 +44,7 @@ class OffloadSession:
             with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (captured, then offered to the
             registry) or "off".
         reuse: the `PrefixRegistry` of this pipeline, or None when reuse is off.
-        cost: whether reuse pays, per model and prefix size (`reusecost.py`); `times`: this request's calls.
+        cost: whether reuse pays, per model and prefix size (`reuse/cost.py`); `times`: this request's calls.
     """
 
     def __init__(self, pipe, config: OffloadConfig, host: HostServices | None,

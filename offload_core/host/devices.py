@@ -4,7 +4,7 @@ On a device with memory of its own and user streams (CUDA, ROCm — which torch 
 `xpu`), copies run on one side stream per store and completion is tracked with events, all through torch's
 device-generic API (`torch.Stream`, `torch.Event`, `torch.accelerator`). Everywhere else (CPU, MPS, which has
 no user streams) the same calls run synchronously: `Fence` is already complete, the stream context is
-`nullcontext()`, so the scheduling code in `store.py` is one code path that CPU tests exercise fully.
+`nullcontext()`, so the scheduling code in `store/` is one code path that CPU tests exercise fully.
 
 Every copy, device allocation and fence of the stores and tiers goes through `Streams`, and every stream and
 event it makes comes from its `api`, so that the CPU tests can swap it (through `open_streams`) for a model of

@@ -1,4 +1,4 @@
-"""Byte budgets of the prefix registry (`reuse.py`): per budget place, parsed once; what a store holds where; and
+"""Byte budgets of the prefix registry (`registry.py`): per budget place, parsed once; what a store holds where; and
 whether a new entry fits, as plain functions over plain data (the registry then does what they decide).
 """
 

@@ -1,7 +1,7 @@
 """What a prefix's K/V were computed from: `PrefixKey` (a header plus content tensors, hashed by an on-device
 digest, compared in full on a hit). The part of a key every torch model shares is `fingerprint.model_state`.
 
-Used by the prefix registry (`reuse.py`); what else goes into a key is the adapter's decision.
+Used by the prefix registry (`registry.py`); what else goes into a key is the adapter's decision.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the capture. `PrefixRegistry` holds such stores between requests:
   content is compared, so two different prefixes never share an entry, however their digests collide.
 - an entry is one completed store, sealed (read-only) and parked (its device ring freed) while it waits. A hit
   leases it to one request at a time; a request that finds its entry leased captures anew.
-- byte budgets per budget place (`device`, `host` = pinned + pageable RAM, `file`; `reusebudget.py`) bound what
+- byte budgets per budget place (`device`, `host` = pinned + pageable RAM, `file`; `budget.py`) bound what
   is kept; least recently used entries are evicted first, and eviction closes the store (memory, files).
 - `close()` closes every entry; so does a finalizer when the registry is dropped or the process exits.
 

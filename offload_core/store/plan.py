@@ -1,7 +1,7 @@
 """The placement plan: which place keeps each layer of a store, decided by plain functions over plain data.
 
 Sizes, budgets and free-memory figures go in; a `Plan` (layer -> place, plus one sentence saying why) comes
-out. Nothing here allocates or moves memory, so every case is tested without a device: `store.py` asks,
+out. Nothing here allocates or moves memory, so every case is tested without a device: `kvstore.py` asks,
 the tiers act.
 
 Places, fastest first: `device` (resident, served without a copy), `host_pinned`, `host_pageable`, `file`.

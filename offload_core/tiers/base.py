@@ -1,6 +1,6 @@
 """The protocol every storage tier implements, and what a tier is given to do its work.
 
-A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store.py`) decides
+A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store/kvstore.py`) decides
 *what* to load and *when*, and uses every tier through `Tier` alone. Capabilities are flags (`own_slots`), not
 `isinstance` checks.
 """
