@@ -17,13 +17,13 @@ import logging
 from typing import Callable, Optional
 
 from ..offload_core.config import Mode, OffloadConfig
-from ..offload_core.store import KVStore
-from .families import detect_family
+from ..offload_core.store.kvstore import KVStore
+from .families.detect import detect_family
 from .keys import PATCHES, TRANSFORMER_OPTIONS
-from .patches import is_flux_kv_cache_patch, is_ours
-from .readout import guarded
-from .reuse import REUSE
-from .wrappers import RunSpec, add_cache_wrappers, add_readout_wrappers, remove_wrappers
+from .families.flux import is_flux_kv_cache_patch, is_ours
+from .readout.protocol import guarded
+from .run.reuse import REUSE
+from .run.wrappers import RunSpec, add_cache_wrappers, add_readout_wrappers, remove_wrappers
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
     """Return `(patched clone, message)`; the input MODEL is never modified.
 
     host(model_patcher) -> HostServices, evaluated once per run. reuse: keep Qwen-Image 2.1 prefixes across runs
-    (see `nodes/reuse.py`), turned off where the key costs more than a hit saves, or "always" (`ALWAYS`): on
+    (see `nodes/run/reuse.py`), turned off where the key costs more than a hit saves, or "always" (`ALWAYS`): on
     whatever the measurement; off for the other families, whatever is asked. store_factory: None, each run's
     stores are `KVStore`s (`RunState.open_store`); tests pass a stand-in.
     """

@@ -6,10 +6,10 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io
 
-from .host import reclaim_leftovers
-from .monitor import KVMemoryMonitor
-from .qwen21 import qwen21_support
-from .routes import register_routes
+from .run.host import reclaim_leftovers
+from .readout.monitor import KVMemoryMonitor
+from .families.qwen21 import qwen21_support
+from .readout.routes import register_routes
 from .settings_node import KVOffloadSettings
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..offload_core.config import Mode, OffloadConfig
 from ..offload_core.places import MiB
-from .reuse import ALWAYS
+from .run.reuse import ALWAYS
 
 MODES = [m.value for m in Mode]
 STORAGES = ["exact", "fp8", "int8"]

@@ -6,10 +6,10 @@ from comfy_api.latest import io
 
 from ..offload_core.config import MAX_PREFETCH_DEPTH
 from .apply import apply_offload
-from .host import comfy_host_services
+from .run.host import comfy_host_services
 from .inputs import MODES, STORAGES, config_from_inputs, reuse_from_inputs, validation_message
-from .qwen21 import qwen21_support
-from .telemetry import TELEMETRY
+from .families.qwen21 import qwen21_support
+from .readout.telemetry import TELEMETRY
 
 MODE_TOOLTIP = (
     "Where the reference-image K/V cache lives between denoising steps. "

@@ -13,8 +13,9 @@ import importlib
 from ._version import package_version
 
 # public name -> the module that defines it
-_EXPORTS = {"HostServices": ".config", "Mode": ".config", "OffloadConfig": ".config", "memory_snapshot": ".memory",
-            "KVStore": ".store", "GrowingKVStore": ".growing", "GrowingShape": ".growing", "KVFileError": ".tiers", "KVWriteError": ".tiers", "passive": ".fingerprint"}
+_EXPORTS = {"HostServices": ".config", "Mode": ".config", "OffloadConfig": ".config", "memory_snapshot": ".host.memory",
+            "KVStore": ".store.kvstore", "GrowingKVStore": ".growing", "GrowingShape": ".growing", "KVFileError": ".tiers",
+            "KVWriteError": ".tiers", "passive": ".reuse.fingerprint"}
 
 __all__ = sorted(_EXPORTS)
 __version__ = package_version()  # from pyproject.toml: the one place the version is written

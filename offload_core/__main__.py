@@ -40,11 +40,11 @@ def run_interruptible(fn, *args) -> int:
 # name -> (module, one line for the help). Modules are imported only when their command runs.
 COMMANDS = {
     "bench": ("offload_core.bench", "the speed/memory table of every KV-cache mode on this machine"),
-    "stream": ("offload_core.bench.streamcli", "each mode's throughput against this machine's raw disk, RAM and PCIe "
+    "stream": ("offload_core.bench.stream.cli", "each mode's throughput against this machine's raw disk, RAM and PCIe "
                "limits, and how much of it compute hides"),
     "arvideo": ("offload_core.bench.arvideo", "the autoregressive video cache (Causal-WAN) at real layer shapes: device "
                 "bytes, bytes moved and step time per mode"),
-    "demo": ("offload_core.democli", "a round trip through every mode with synthetic K/V: checked, then timed"),
+    "demo": ("offload_core.cli.democli", "a round trip through every mode with synthetic K/V: checked, then timed"),
 }
 
 

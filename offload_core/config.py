@@ -15,7 +15,7 @@ from typing import Callable, ContextManager, Optional
 
 import torch
 
-from .filecheck import check_file_options
+from .tiers.file.filecheck import check_file_options
 
 MAX_PREFETCH_DEPTH = 8  # more layers in flight only re-creates the device cache we are trying to avoid
 

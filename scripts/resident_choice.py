@@ -20,7 +20,7 @@ import time
 
 import torch
 
-import offload_core.plan as plan
+import offload_core.store.plan as plan
 from offload_core import KVStore, OffloadConfig
 
 RULES = {

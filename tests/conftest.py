@@ -108,11 +108,11 @@ def failing_writes(monkeypatch):
     import errno
     import sys
 
-    import offload_core.tiers.fileos  # noqa: F401  (loaded, so it is found below)
+    import offload_core.tiers.file.fileos  # noqa: F401  (loaded, so it is found below)
 
     def arm(name: str, before=None):
         # Every copy of the engine loaded by now: the ComfyUI pack's tests load it a second time, in the pack.
-        handles = [m.Handle for n, m in list(sys.modules.items()) if n.endswith("offload_core.tiers.fileos")]
+        handles = [m.Handle for n, m in list(sys.modules.items()) if n.endswith("offload_core.tiers.file.fileos")]
         real = {handle: handle.pwrite for handle in handles}
 
         def pwrite(handle, data, offset):

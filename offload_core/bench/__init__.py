@@ -1,6 +1,6 @@
 """The benchmark behind `python -m offload_core bench`; `main(argv)` is its entry point.
 
-Imported lazily: `python -m offload_core stream` (in `streamcli.py`) needs neither diffusers nor the models, and
+Imported lazily: `python -m offload_core stream` (in `stream/cli.py`) needs neither diffusers nor the models, and
 `--help` needs no torch.
 """
 

@@ -56,7 +56,7 @@ def measure(args, mode: str, device, compute) -> Dict[str, object]:
 
     from .. import OffloadConfig
     from ..growing import GrowingKVStore, GrowingShape
-    from .stream import _sync
+    from .stream.run import _sync
 
     layers, heads, head_dim = MODELS[args.model]
     frame = -(-args.height // 16) * -(-args.width // 16)
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from .stream import _Compute
+    from .stream.run import _Compute
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     compute = _Compute(device, args.compute_ms / 1000)

@@ -6,9 +6,9 @@ import argparse
 import os
 import sys
 
-from .. import cliargs
+from ..cli import cliargs
 from ..places import GiB
-from . import posecli
+from .pose import cli as posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows
 
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "not (bytes kept, moved per step, latency; see offload_core/bench/batch.py)")
     p.add_argument("--pose", action="store_true", help="instead of the mode table: Wan Animate 2's pose cache "
                    "(Wan 14B's 40 blocks at 480x832, bf16; width 128, or 5120 with --size full) in gpu, RAM, files "
-                   "and RAM under a budget that spills to files (see offload_core/bench/pose.py)")
+                   "and RAM under a budget that spills to files (see offload_core/bench/pose/run.py)")
     p.add_argument("--overhead", action="store_true", help="instead of the mode table: the engine's own time per get "
                    "outside its copy, in gpu, ram_sync and ram_async, tiny layers (see offload_core/bench/overhead.py)")
     p.add_argument("--frames", type=int, help="--pose: video frames, 4k + 1 (default 81)")
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         parser.error("--overhead measures its own rows (gpu, ram_sync, ram_async on tiny layers); drop --pose, "
                      "--batch, --modes, --plot and --model.")
     if args.pose:
-        from . import posecli
+        from .pose import cli as posecli
 
         return posecli.main(args, parser)
     _check(args, parser)

@@ -17,7 +17,7 @@ from typing import Dict, List
 import torch
 
 from ..config import OffloadConfig
-from ..store import KVStore
+from ..store.kvstore import KVStore
 
 MODES = ("gpu", "ram_sync", "ram_async")
 TARGET_US = {"gpu": 5.0, "ram_sync": 15.0, "ram_async": 15.0}  # issue 33's bounds, on the bench's CPU

@@ -7,8 +7,8 @@ import logging
 import diffusers
 
 from .. import HostServices, Mode
-from ..reuse import PrefixRegistry
-from ..reusebudget import parse_budget
+from ..reuse.registry import PrefixRegistry
+from ..reuse.budget import parse_budget
 from . import flux2, qwenimage21
 from .keys import ours
 from .pipeguard import session_of

@@ -7,8 +7,8 @@ import logging
 
 from .. import KVStore
 from ..places import MiB
-from ..prefix import PrefixKey
-from ..reuse import PrefixRegistry
+from ..reuse.prefix import PrefixKey
+from ..reuse.registry import PrefixRegistry
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fingerprint import Unkeyable
+from ..reuse.fingerprint import Unkeyable
 
 
 def ours(hook):

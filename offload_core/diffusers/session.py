@@ -24,10 +24,10 @@ import weakref
 import torch
 
 from .. import HostServices, KVStore, Mode, OffloadConfig
-from ..fingerprint import ModelState, Unkeyable, model_state, plain
-from ..prefix import PrefixKey
-from ..reuse import PrefixRegistry
-from ..reusecost import ReuseCost, StepTimes
+from ..reuse.fingerprint import ModelState, Unkeyable, model_state, plain
+from ..reuse.prefix import PrefixKey
+from ..reuse.registry import PrefixRegistry
+from ..reuse.cost import ReuseCost, StepTimes
 from .closing import close_or_keep, give_back, log_summary, raise_first
 from .keys import attention_backend, check_numerics, is_ours
 from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
@@ -44,7 +44,7 @@ class OffloadSession:
             with `"reuse"`: "hit" (served from the registry), "kept" / "not kept" (captured, then offered to the
             registry) or "off".
         reuse: the `PrefixRegistry` of this pipeline, or None when reuse is off.
-        cost: whether reuse pays, per model and prefix size (`reusecost.py`); `times`: this request's calls.
+        cost: whether reuse pays, per model and prefix size (`reuse/cost.py`); `times`: this request's calls.
     """
 
     def __init__(self, pipe, config: OffloadConfig, host: HostServices | None,

@@ -16,8 +16,8 @@ from typing import Deque, Hashable, Tuple
 
 import torch
 
-from ..codec import CHUNK_ELEMENTS, MAX_RELATIVE, SCALE_BYTES, Compact, _views, add_error
-from ..devices import Fence
+from ..store.codec import CHUNK_ELEMENTS, MAX_RELATIVE, SCALE_BYTES, Compact, _views, add_error
+from ..host.devices import Fence
 
 
 def packed_width(head_dim: int) -> int:

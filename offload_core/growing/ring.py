@@ -14,9 +14,9 @@ from typing import Callable, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from ..devices import DONE, Fence, Streams
-from ..ring import LayerOrder
-from ..stats import StoreStats
+from ..host.devices import DONE, Fence, Streams
+from ..store.ring import LayerOrder
+from ..store.stats import StoreStats
 from ..tiers import Pending
 
 

@@ -22,19 +22,19 @@ from typing import Dict, Hashable, List, Optional, Set, Tuple
 
 import torch
 
-from ..codec import Compact, codec_for
+from ..store.codec import Compact, codec_for
 from ..config import HostServices, Mode, OffloadConfig
-from ..devices import unified_memory_reason
-from ..guards import Consumer, Owner, engine_mode, one_consumer
-from ..hostfacts import free_device_memory, free_host_memory, same_pool_reason
-from ..hostmem import pin_room
-from ..layers import Layers
+from ..host.devices import unified_memory_reason
+from ..store.guards import Consumer, Owner, engine_mode, one_consumer
+from ..store.hostfacts import free_device_memory, free_host_memory, same_pool_reason
+from ..host.hostmem import pin_room
+from ..store.layers import Layers
 from ..places import DEVICE, FILE, HOST_PLACES, WORDS
-from ..plan import Figures, Plan, make_plan, resolve
-from ..resources import StoreResources
-from ..ring import LayerOrder
-from ..stats import Snapshot, StoreStats
-from ..store import KVStore
+from ..store.plan import Figures, Plan, make_plan, resolve
+from ..store.resources import StoreResources
+from ..store.ring import LayerOrder
+from ..store.stats import Snapshot, StoreStats
+from ..store.kvstore import KVStore
 from .packing import Packing, packed_width
 from .ring import PrefixRing
 from .shape import GrowingShape, working_pair

@@ -2,8 +2,8 @@
 
 from .base import Pending, Tier, TierContext
 from .device import DeviceTier
-from .file import FileTier
-from .fileio import KVFileError, KVWriteError
+from .file.tier import FileTier
+from .file.fileio import KVFileError, KVWriteError
 from .ram import RamTier
 
 __all__ = ["DeviceTier", "FileTier", "KVFileError", "KVWriteError", "Pending", "RamTier", "Tier", "TierContext"]

@@ -1,6 +1,6 @@
 """The protocol every storage tier implements, and what a tier is given to do its work.
 
-A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store.py`) decides
+A tier knows *how* to keep a layer and how to copy it into a device slot; the store (`store/kvstore.py`) decides
 *what* to load and *when*, and uses every tier through `Tier` alone. Capabilities are flags (`own_slots`), not
 `isinstance` checks.
 """
@@ -15,10 +15,10 @@ from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
-from ..devices import DONE, Fence, Streams
-from ..hostmem import HostAllocator
+from ..host.devices import DONE, Fence, Streams
+from ..host.hostmem import HostAllocator
 from ..layout import LayerLayout
-from .iopool import load_timeout
+from .file.iopool import load_timeout
 
 TRANSFER_TIMEOUT_S = load_timeout()  # a load that has not finished by then is a hang, not a slow disk
 

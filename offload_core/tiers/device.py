@@ -7,7 +7,7 @@ from typing import Callable, Dict, Hashable, Tuple
 
 import torch
 
-from ..devices import DONE, Fence
+from ..host.devices import DONE, Fence
 from ..layout import LayerLayout, views
 from ..places import DEVICE
 from .base import Pending, Tier, TierContext

@@ -13,8 +13,8 @@ from typing import Deque, Dict, Hashable, List, Tuple
 
 import torch
 
-from ..devices import DONE, Fence, Streams
-from ..hostmem import HostBuffer
+from ..host.devices import DONE, Fence, Streams
+from ..host.hostmem import HostBuffer
 from ..layout import LayerLayout, check_fits, layout_for, views
 from ..places import PAGEABLE, PINNED
 from .base import LOADED, Pending, Tier, TierContext

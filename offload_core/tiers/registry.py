@@ -12,12 +12,12 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional
 
-from ..devices import Streams
-from ..hostmem import HostAllocator
+from ..host.devices import Streams
+from ..host.hostmem import HostAllocator
 from ..places import DEVICE, FILE, PAGEABLE, PINNED
 from .base import Tier, TierContext
 from .device import DeviceTier
-from .file import FileTier
+from .file.tier import FileTier
 from .ram import RamTier
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,8 @@ import tempfile
 import pytest
 import torch
 
-from offload_core.bench import cli, pose, posecli
+from offload_core.bench import cli
+from offload_core.bench.pose import run as pose, cli as posecli
 
 GiB = 1 << 30
 ROW_FIELDS = {"row", "mode", "host_budget", "windows", "bytes", "spill_bytes", "fill_s", "latency_s", "latency_min_s",

@@ -142,7 +142,7 @@ def test_help_and_usage_errors_answer_without_importing_torch(tmp_path):
 
 
 def test_an_output_path_is_checked_by_creating_it_and_nothing_is_left_or_changed(tmp_path):
-    from offload_core import cliargs
+    from offload_core.cli import cliargs
 
     parser = cliargs.Parser(prog="p")
     existing = tmp_path / "kept.json"
@@ -154,7 +154,7 @@ def test_an_output_path_is_checked_by_creating_it_and_nothing_is_left_or_changed
 
 
 def test_the_stream_depth_limit_is_the_engines():
-    from offload_core.bench import streamcli
+    from offload_core.bench.stream import cli as streamcli
     from offload_core.config import MAX_PREFETCH_DEPTH
 
     assert streamcli.MAX_PREFETCH_DEPTH == MAX_PREFETCH_DEPTH
@@ -170,7 +170,7 @@ def test_help_lists_the_commands_and_no_argument_prints_it(capsys):
 
 
 def test_demo_passes_and_says_so(capsys):
-    from offload_core import democli
+    from offload_core.cli import democli
 
     assert democli.main(["--device", "cpu", "--layers", "2", "--mib", "0.01"]) == 0
     out = capsys.readouterr().out
@@ -178,7 +178,7 @@ def test_demo_passes_and_says_so(capsys):
 
 
 def test_demo_fails_when_a_round_trip_is_not_exact(monkeypatch, capsys):
-    from offload_core import demo, democli
+    from offload_core.cli import demo, democli
 
     class Corrupting(demo.KVStore):
         def get(self, key):

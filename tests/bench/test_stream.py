@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_core.__main__ import main as offload_main
-from offload_core.bench import stream, streamcli, streamreport
+from offload_core.bench.stream import run as stream, cli as streamcli, report as streamreport
 
 
 def test_stream_reports_every_mode_against_the_raw_limits(tmp_path, capsys):
@@ -63,7 +63,7 @@ def test_the_old_tiers_option_still_picks_the_modes_and_says_it_is_deprecated(ca
 
 def test_the_extraction_figure_counts_until_the_last_layer_is_on_disk(tmp_path, monkeypatch):
     """file_async queues its writes; its put figure must include them (a put loop alone only copies)."""
-    from offload_core.tiers import filewrite as file_tier
+    from offload_core.tiers.file import filewrite as file_tier
 
     real = file_tier.pwrite_all
 
@@ -120,7 +120,7 @@ def test_every_figure_is_the_median_of_the_rounds_and_the_best_of_ones_are_kept(
 
 def test_the_verifying_reader_takes_a_checksum_of_every_request_it_reads(tmp_path, monkeypatch):
     """The reference for the file tiers' checks: the same read, each request hashed by the thread that read it."""
-    from offload_core.bench import rawio
+    from offload_core.bench.stream import rawio
 
     hashed = []
     monkeypatch.setattr(rawio, "digest", lambda view: hashed.append(len(view)) or 0)
@@ -216,14 +216,14 @@ def test_the_hiding_loop_is_measured_in_its_steady_state(tmp_path, monkeypatch):
 
 
 def test_the_sweep_skips_a_pattern_whose_ring_would_pass_its_memory_cap():
-    from offload_core.bench import rawio
+    from offload_core.bench.stream import rawio
 
     tried = {p.label for p in rawio.patterns([16 << 20, 32 << 20], [4, 16])}
     assert tried == {"16MiBx4", "16MiBx4-nofalloc", "16MiBx16", "16MiBx16-nofalloc", "32MiBx4", "32MiBx4-nofalloc"}
     assert rawio.parse("32MiBx4-nofalloc") == rawio.Pattern(32 << 20, 4, False)  # labels round-trip
     ring = rawio.patterns([16 << 20], [16], ring_bytes=64 << 20)  # the issue's reference: 16 requests, 4 buffers
     assert [p.ring for p in ring] == [4, 4] and all(rawio.parse(p.label) == p for p in ring)
-    from offload_core.bench import streamcli
+    from offload_core.bench.stream import cli as streamcli
 
     assert streamcli.MAX_RING_MIB << 20 == rawio.RING_CAP
     for pattern in (rawio.Pattern(8 << 20, 2, True, False), rawio.Pattern(8 << 20, 2, False, False)):
@@ -233,7 +233,7 @@ def test_the_sweep_skips_a_pattern_whose_ring_would_pass_its_memory_cap():
 def test_small_pages_measures_the_best_patterns_again_in_4k_pages(tmp_path, monkeypatch):
     """The 4 KiB comparison runs the sweep's best write and read patterns with `huge=False`, each against the
     same pattern's sweep figure; the table prints it."""
-    from offload_core.bench import rawio
+    from offload_core.bench.stream import rawio
 
     seen = []
     real = rawio.file_limits

@@ -5,7 +5,7 @@ import os
 import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
-from offload_core.prefix import PrefixKey
+from offload_core.reuse.prefix import PrefixKey
 from store_helpers import make_layers, put_all
 
 TIERS = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async"]

@@ -35,7 +35,7 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from offload_core import devices, hostmem
+from offload_core.host import devices, hostmem
 
 from simstreams import SimAPI, SimEvent, SimStream, SimStreams
 

@@ -30,7 +30,7 @@ import struct
 import threading
 from typing import Dict, List, Set
 
-from offload_core.tiers import fileos
+from offload_core.tiers.file import fileos
 
 try:  # the stand-ins are built on a Linux host's own calls (flock, O_DIRECT, posix_fallocate)
     import fcntl as real_fcntl

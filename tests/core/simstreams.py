@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from offload_core.devices import Streams
+from offload_core.host.devices import Streams
 
 if TYPE_CHECKING:
     from simcuda import SimCuda

@@ -5,7 +5,7 @@ import torch
 
 from offload_core import HostServices, KVStore, Mode, OffloadConfig
 from offload_core.places import GiB
-from offload_core.plan import ASSUMED_LAYERS, RESERVE_BYTES
+from offload_core.store.plan import ASSUMED_LAYERS, RESERVE_BYTES
 
 
 def run_auto(host, expected_bytes=None):
@@ -63,7 +63,7 @@ def test_a_bad_free_memory_figure_is_refused_at_the_first_put(field, value, monk
 
 @pytest.mark.parametrize("value, expected", [(None, None), (0, 0), (3.9, 3), (2 * GiB, 2 * GiB)])
 def test_free_memory_figures_accept_byte_counts(value, expected):
-    from offload_core.hostfacts import free_host_memory
+    from offload_core.store.hostfacts import free_host_memory
 
     assert free_host_memory(HostServices(free_host_memory=lambda: value)) == expected
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload_core.codec import Codec
+from offload_core.store.codec import Codec
 from offload_core.layout import layout_for
 
 BOUNDS = {"fp8": 0.04, "int8": 0.015}
@@ -41,7 +41,7 @@ def test_scales_are_per_vector(name):
 
 
 def test_zeros_and_chunks_round_trip(monkeypatch):
-    import offload_core.codec as codec_module
+    import offload_core.store.codec as codec_module
 
     monkeypatch.setattr(codec_module, "CHUNK_ELEMENTS", 64)  # several chunks even for a small tensor
     x = torch.randn(3, 50, 32, generator=torch.Generator().manual_seed(2)).half()

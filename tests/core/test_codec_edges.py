@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_core import HostServices, KVStore, OffloadConfig
-from offload_core.codec import Codec, add_error, error_summary
+from offload_core.store.codec import Codec, add_error, error_summary
 
 from store_helpers import make_layers, put_all
 
@@ -124,7 +124,7 @@ def test_holds_reads_the_scales(name):
 
 @pytest.mark.parametrize("name", LOSSY)
 def test_error_is_the_same_at_every_magnitude(name, monkeypatch):
-    import offload_core.codec as codec_module
+    import offload_core.store.codec as codec_module
 
     monkeypatch.setattr(codec_module, "CHUNK_ELEMENTS", 64)  # totals merged across chunks, too
     codec = Codec(name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.codec import MAX_RELATIVE, Codec
+from offload_core.store.codec import MAX_RELATIVE, Codec
 
 LOSSY = ["fp8", "int8"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

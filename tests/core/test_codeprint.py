@@ -8,7 +8,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from offload_core.codeprint import code_identity
+from offload_core.reuse.codeprint import code_identity
 
 
 def helper(x):
@@ -54,7 +54,7 @@ def test_nothing_changed_gives_the_same_identity():
 
 
 def test_the_next_request_reuses_the_last_walk_only_while_nothing_it_read_changed(monkeypatch):
-    from offload_core import codeprint
+    from offload_core.reuse import codeprint
     model = Block()
     walks = []
     real = codeprint._Walk
@@ -188,13 +188,13 @@ def test_a_function_s_code_replaced_in_place_is_seen():
 def test_code_it_cannot_read_turns_reuse_off_instead_of_failing_the_request(monkeypatch):
     import pytest
 
-    from offload_core import codeprint
-    from offload_core.fingerprint import Unkeyable, model_state
+    from offload_core.reuse import codeprint
+    from offload_core.reuse.fingerprint import Unkeyable, model_state
 
     def broken(model):
         raise RuntimeError("a class that refuses to be looked at")
 
     monkeypatch.setattr(codeprint, "code_identity", broken)
-    monkeypatch.setattr("offload_core.fingerprint.code_identity", broken)
+    monkeypatch.setattr("offload_core.reuse.fingerprint.code_identity", broken)
     with pytest.raises(Unkeyable, match="could not be read .RuntimeError: a class that refuses"):
         model_state(Block(), torch.device("cpu"))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from offload_core import HostServices, KVStore, OffloadConfig
-from offload_core.layers import Layers
+from offload_core.store.layers import Layers
 from offload_core.layout import stacked
-from offload_core.ring import SlotRing
+from offload_core.store.ring import SlotRing
 
 from store_helpers import PLANS, TIERS, config_for, make_layers, put_all
 
@@ -89,7 +89,7 @@ def test_any_dtype_and_strided_views_round_trip_across_chunk_boundaries(mode, dt
     # The file tiers copy a layer chunk by chunk (a chunk may end inside K, span K's end and the padding, or
     # start V); 4 KiB chunks put such boundaries in every layer. Strided K/V go chunk by chunk too, each chunk
     # as the few strided views that cover it.
-    from offload_core.tiers import fileio
+    from offload_core.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 4096)
     gen = torch.Generator().manual_seed(4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
-from offload_core.dedup import identical_rows
+from offload_core.store.dedup import identical_rows
 
 from store_helpers import put_all
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import diskfit, fileio, iopool
-from offload_core.tiers.fileio import KVWriteError
+from offload_core.tiers.file import diskfit, fileio, iopool
+from offload_core.tiers.file.fileio import KVWriteError
 
 MiB = 1 << 20
 SMALL = [(1 * MiB, 1), (1 * MiB, 4), (2 * MiB, 2)]  # quick candidates for the tests

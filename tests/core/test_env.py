@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from offload_core.env import env_int, env_seconds
+from offload_core.host.env import env_int, env_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                                              ("100", 64, "the nearest allowed")])
 def test_a_bad_whole_number_is_logged_with_what_is_used(text, used, why, monkeypatch, caplog):
     monkeypatch.setenv("KV_OFFLOAD_TEST_N", text)
-    with caplog.at_level(logging.WARNING, logger="offload_core.env"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.host.env"):
         assert env_int("KV_OFFLOAD_TEST_N", 4, low=1, high=64) == used
     assert caplog.messages == [f"KV offload: KV_OFFLOAD_TEST_N={text!r} is not a whole number from 1 to 64; "
                                f"using {used}, {why}."]
@@ -27,7 +27,7 @@ def test_a_bad_whole_number_is_logged_with_what_is_used(text, used, why, monkeyp
 @pytest.mark.parametrize("text", ["soon", "0", "-1", "inf", "nan"])
 def test_bad_seconds_are_logged_and_the_default_used(text, monkeypatch, caplog):
     monkeypatch.setenv("KV_OFFLOAD_TEST_S", text)
-    with caplog.at_level(logging.WARNING, logger="offload_core.env"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.host.env"):
         assert env_seconds("KV_OFFLOAD_TEST_S", 120.0) == 120.0
     assert caplog.messages == [f"KV offload: KV_OFFLOAD_TEST_S={text!r} is not a finite number of seconds > 0; "
                                "using 120.0, the default."]
@@ -40,7 +40,7 @@ def test_unset_or_empty_is_the_default_without_a_word(text, monkeypatch, caplog)
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, text)
-    with caplog.at_level(logging.WARNING, logger="offload_core.env"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.host.env"):
         assert env_int("KV_OFFLOAD_TEST_N", 4, low=1, high=64) == 4
         assert env_seconds("KV_OFFLOAD_TEST_S", 120.0) == 120.0
     assert caplog.messages == []

@@ -26,7 +26,7 @@ def test_a_tmpfs_cache_is_called_out_as_saving_no_ram(mode, mount_tmpfs, caplog,
     if system.name != "linux":
         pytest.skip("a RAM disk of macOS or Windows looks like an ordinary volume: nothing to tell it by")
     where = mount_tmpfs("16m")
-    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file.tier"):
         store = KVStore(OffloadConfig(mode=mode, file_dir=where), "cpu")
     store.put(0, *layer(0))
     stats = store.stats()
@@ -39,7 +39,7 @@ def test_a_tmpfs_cache_is_called_out_as_saving_no_ram(mode, mount_tmpfs, caplog,
 
 
 def test_a_disk_cache_is_not_called_out(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file.tier"):
         store = KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu")
     store.put(0, *layer(0))
     if store.stats()["page_cache"].endswith("in RAM"):
@@ -123,7 +123,7 @@ def test_a_failed_write_is_cleaned_up_once(mode, tmp_path, monkeypatch, failing_
     # Every chunk's request gives its staging buffer back exactly once, also when the write fails and the
     # requests after it are cancelled; the finish closes the descriptor and removes the temp file once (a
     # second release would hand one buffer to two writers, a second close could hit another file's descriptor).
-    from offload_core.tiers import fileio
+    from offload_core.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 64 << 10)  # 16 chunks a layer: more than the ring holds
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offload_core import KVFileError, KVStore, OffloadConfig
-from offload_core.tiers import fileio, fileos
+from offload_core.tiers.file import fileio, fileos
 
 from store_helpers import make_layers, put_all
 
@@ -88,7 +88,7 @@ CASES = [
 def test_damaged_layer_is_a_kvfileerror_naming_the_file(mode, how, match, tmp_path, monkeypatch, system):
     if how == "fifo" and system.name == "windows":
         pytest.skip("Windows has no FIFOs")
-    monkeypatch.setattr("offload_core.tiers.iopool.IO_TIMEOUT_S", 5.0)
+    monkeypatch.setattr("offload_core.tiers.file.iopool.IO_TIMEOUT_S", 5.0)
     store, _ = filled_store(mode, tmp_path)
     if how == "dev_zero_symlink" and system.name == "windows" and store.stats()["page_cache"] == "buffered":
         match = "is a device"  # no O_NOFOLLOW there: the link is followed and what it points at refused
@@ -147,7 +147,7 @@ def test_header_holds_the_checksum_of_every_chunk(mode, tmp_path, monkeypatch):
 
     import xxhash
 
-    monkeypatch.setattr("offload_core.tiers.fileio.CHUNK", 1 << 20)
+    monkeypatch.setattr("offload_core.tiers.file.fileio.CHUNK", 1 << 20)
     store, _ = filled_store(mode, tmp_path, n=2, shape=(1, 4, 1024, 128))  # 2 MiB per tensor: several chunks
     store.get(1)
     with open(layer_path(store, 1), "rb") as f:
@@ -169,7 +169,7 @@ def test_a_small_layer_is_read_as_four_requests(mode, tmp_path, monkeypatch):
     import json
     import struct
 
-    from offload_core.tiers import fileread
+    from offload_core.tiers.file import fileread
 
     sizes = []
     real = fileread.pread_exact
@@ -188,7 +188,7 @@ def test_a_small_layer_is_read_as_four_requests(mode, tmp_path, monkeypatch):
 
 
 def test_layer_chunk_is_the_request_or_a_quarter_of_a_small_layer():
-    from offload_core.tiers.filewrite import layer_chunk
+    from offload_core.tiers.file.filewrite import layer_chunk
 
     MiB = 1 << 20
     assert layer_chunk(64 * MiB, 8 * MiB) == 8 * MiB
@@ -245,7 +245,7 @@ def _split_store(mode, directory, monkeypatch):
 def test_the_last_wave_of_a_read_goes_in_parts(tmp_path, monkeypatch):
     """file_sync (no prefetch, so every request of a get is seen), 8 chunks a layer: the last `IO_DEPTH` of
     them (never the first, which carries the header) as 4 requests each, in order, covering them exactly."""
-    from offload_core.tiers import fileread, iopool
+    from offload_core.tiers.file import fileread, iopool
 
     assert fileread.TAIL_PARTS == 4
     tail = min(iopool.IO_DEPTH, 7)  # 4 by default
@@ -272,7 +272,7 @@ def test_the_last_wave_of_a_read_goes_in_parts(tmp_path, monkeypatch):
 def test_file_async_reads_whole_chunks(tmp_path, monkeypatch):
     """Its start lane queues the next layer behind each read, so the queue never drains at a layer's end:
     parts would only add requests."""
-    from offload_core.tiers import fileread
+    from offload_core.tiers.file import fileread
 
     sizes = set()
     real = fileread.pread_exact
@@ -308,7 +308,7 @@ def test_a_flip_in_any_part_is_caught_by_its_chunk_checksum(mode, part, tmp_path
 def test_a_failed_part_fails_the_read_and_close_returns(tmp_path, monkeypatch):
     import errno
 
-    from offload_core.tiers import fileread
+    from offload_core.tiers.file import fileread
 
     store, layers = _split_store("file_sync", tmp_path, monkeypatch)
     real = fileos.Handle.preadv
@@ -336,7 +336,7 @@ def test_a_failed_part_fails_the_read_and_close_returns(tmp_path, monkeypatch):
 def test_the_last_wave_is_queued_round_by_round(tmp_path, monkeypatch):
     """Every tail chunk's first part, then every one's second, ...: each chunk's parts arrive spread over the
     wave, so its checksum is mostly taken before its last part is in."""
-    from offload_core.tiers import fileread, iopool
+    from offload_core.tiers.file import fileread, iopool
 
     tail = min(iopool.IO_DEPTH, 7)
     store, layers = _split_store("file_sync", tmp_path, monkeypatch)
@@ -364,7 +364,7 @@ def test_a_chunks_checksum_taken_part_by_part_is_the_whole_chunks():
     import random
     import threading
 
-    from offload_core.tiers import fileread
+    from offload_core.tiers.file import fileread
 
     data = memoryview(random.Random(1).randbytes(64 << 10))
     starts = list(range(0, 64 << 10, 16 << 10))

@@ -14,7 +14,7 @@ import torch
 
 from filestores import MODES, file_store, layers
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import fileowner, iopool
+from offload_core.tiers.file import fileowner, iopool
 from interrupt_lines import ctrl_c_at, lines_of
 from store_helpers import make_layers
 
@@ -73,7 +73,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
     # A put copies a layer chunk by chunk through a ring of staging buffers, queueing each chunk's write as soon
     # as it is copied. Ctrl-C between any two of those steps breaks the store; close() waits for the requests
     # already queued, then the descriptor and the temp file go and every buffer comes back.
-    from offload_core.tiers import filewrite as file_tier, fileio
+    from offload_core.tiers.file import filewrite as file_tier, fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 512 << 10)
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)  # a staging buffer never given back fails fast
@@ -130,7 +130,7 @@ def test_ctrl_c_while_a_layer_file_is_allocated_leaves_no_descriptor_or_temp_fil
 def test_ctrl_c_between_the_requests_of_a_read_loses_nothing(at, tmp_path, monkeypatch, wait_until):
     """Ctrl-C as a read queues its requests (8 chunks of 64 KiB: 4 whole, then 4 x 4 parts): the requests
     already queued finish, then their descriptor and buffer go; the store is broken until closed."""
-    from offload_core.tiers import fileio
+    from offload_core.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
     data = layers(2, shape=(1, 4, 256, 64))  # 512 KiB a layer: 8 chunks
@@ -164,9 +164,9 @@ def test_ctrl_c_between_the_requests_of_a_read_loses_nothing(at, tmp_path, monke
 def test_a_close_interrupted_before_its_io_stopped_keeps_no_buffer_for_reuse(tmp_path, monkeypatch, wait_until):
     """Three Ctrl-Cs while close() waits for its I/O threads (a slow disk: a read is inside the kernel): close goes
     on, but no staging buffer goes to the spares the next store takes from, since the read may still fill it."""
-    from offload_core import hostmem
-    from offload_core.devices import DONE
-    from offload_core.tiers import fileread
+    from offload_core.host import hostmem
+    from offload_core.host.devices import DONE
+    from offload_core.tiers.file import fileread
 
     spares = hostmem.Spares()
     monkeypatch.setattr(hostmem, "SPARES", spares)
@@ -205,7 +205,7 @@ def test_a_close_interrupted_before_its_io_stopped_keeps_no_buffer_for_reuse(tmp
 def test_a_read_whose_descriptor_fails_to_close_still_frees_its_place_and_its_slot(tmp_path, monkeypatch):
     """The cleanup after a read closes its descriptor, gives its staging place back and lets the next load into
     the slot go on; a close that fails (EIO on a network filesystem) must not stop the other two."""
-    from offload_core.tiers import fileos
+    from offload_core.tiers.file import fileos
 
     data = layers(2)
     store = file_store("file_sync", tmp_path, data, put=data)
@@ -232,7 +232,7 @@ def test_a_read_whose_descriptor_fails_to_close_still_frees_its_place_and_its_sl
 
 @pytest.mark.parametrize("at", [1, 2, 3, 5])  # the I/O pool, the hash pool, then the lanes (file_async has three)
 def test_ctrl_c_while_a_file_tier_is_made_leaves_no_directory_or_thread(at, tmp_path, monkeypatch):
-    from offload_core.tiers import file as file_module
+    from offload_core.tiers.file import tier as file_module
 
     made, real = [], file_module.IOPool
 
@@ -254,7 +254,7 @@ def test_ctrl_c_while_a_file_tier_is_made_leaves_no_directory_or_thread(at, tmp_
 
 
 def _read_lines():
-    from offload_core.tiers.fileread import Reader
+    from offload_core.tiers.file.fileread import Reader
 
     return [(fn, line) for fn in (Reader.load, Reader._start_read, Reader._finish_read) for line in lines_of(fn)]
 
@@ -267,7 +267,7 @@ def test_ctrl_c_at_every_line_of_a_read_loses_nothing(mode, tmp_path, monkeypatc
     queueing of the two lane jobs in `file_async`): every layer then reads whole and exact into the same slots, and
     once the requests already queued have run, every descriptor and staging place is back. (An interrupt on the
     cleanup line itself leaves the read to the next get, which ends it first.)"""
-    from offload_core.tiers import fileio
+    from offload_core.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 10.0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import fileowner
+from offload_core.tiers.file import fileowner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -127,7 +127,7 @@ def test_a_directory_that_cannot_be_deleted_is_logged_with_the_reason(tmp_path, 
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}); needs root")
     try:
-        with caplog.at_level(logging.WARNING, logger="offload_core.tiers.fileowner"):
+        with caplog.at_level(logging.WARNING, logger="offload_core.tiers.file.fileowner"):
             store.close()  # a mount point cannot be removed: EBUSY
         assert "could not delete the cache directory" in caplog.text and "busy" in caplog.text
         assert "Device or resource busy" in caplog.text

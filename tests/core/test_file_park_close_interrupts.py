@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from filestores import MODES, file_store, layers
-from offload_core.tiers import fileowner
+from offload_core.tiers.file import fileowner
 from interrupt_lines import call_with_ctrl_c_at, lines_of
 
 
@@ -42,9 +42,9 @@ def test_the_views_a_get_served_stay_readable_after_a_park(tmp_path):
 
 
 def _close_lines():
-    from offload_core.resources import StoreResources
-    from offload_core.store import KVStore as Store
-    from offload_core.tiers.file import FileTier
+    from offload_core.store.resources import StoreResources
+    from offload_core.store.kvstore import KVStore as Store
+    from offload_core.tiers.file.tier import FileTier
     from offload_core.tiers.registry import close_tiers
 
     functions = (Store._close, StoreResources.close, close_tiers, FileTier.close, fileowner.OwnedDir.delete,

@@ -14,7 +14,7 @@ import torch
 
 from filestores import MODES, file_store, layers
 from offload_core import KVWriteError
-from offload_core.tiers import iopool
+from offload_core.tiers.file import iopool
 
 
 def run_bounded(fn, seconds):
@@ -102,7 +102,7 @@ def test_read_stuck_in_the_kernel_fails_get_and_close_within_the_bound(mode, tmp
         with pytest.raises(TimeoutError, match=r"the read of .*layer-00002\.safetensors did not finish within 0\.5 s"):
             bounded(lambda: (store.get(1), store.get(2)), 10)
         assert stuck.entered.is_set()
-        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file"):
+        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file.tier"):
             bounded(store.close, 10)
         assert time.monotonic() - start < 8
         assert "stuck in the kernel" in caplog.text and "layer-00002" in caplog.text
@@ -144,7 +144,7 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
             store.put(2, *data[2])
         assert writer.staging._free.qsize() < len(writer.staging._all)  # the stuck request keeps its buffer
         start = time.monotonic()
-        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file"):
+        with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file.tier"):
             store.close()
         assert time.monotonic() - start < 8
         assert "stuck in the kernel" in caplog.text and "layer-00001" in caplog.text
@@ -227,7 +227,7 @@ def test_a_read_that_timed_out_never_lands_in_the_slot_the_next_read_serves(mode
     """A read of layer 2 into a host slot times out while its requests are still in the disk; they come back
     later and write where they were told to. The next read into that slot (layer 1) must start only once they
     have ended, else they land over the layer it serves. Their descriptor closes once they end."""
-    from offload_core.devices import DONE
+    from offload_core.host.devices import DONE
 
     data = layers(3)
     store = file_store(mode, tmp_path, data, put=range(3))

@@ -10,7 +10,7 @@ import torch
 import simplatform
 from filestores import MODES, file_store, layers
 from offload_core import KVFileError, KVWriteError, OffloadConfig
-from offload_core.tiers import fileio, fileos
+from offload_core.tiers.file import fileio, fileos
 
 pytestmark = pytest.mark.skipif(simplatform.SYSTEMS == ["linux"], reason=simplatform.NO_STAND_INS)
 
@@ -136,7 +136,7 @@ def test_an_unbuffered_windows_handle_refuses_an_unaligned_request(tmp_path, mon
     # What NTFS refuses with FILE_FLAG_NO_BUFFERING, and the tiers never ask: an offset or length off a sector.
     import errno
 
-    from offload_core.hostmem import HostBuffer
+    from offload_core.host.hostmem import HostBuffer
 
     fs = simplatform.install(monkeypatch, "windows")
     f = fs.open(str(tmp_path / "x"), fileos.os.O_WRONLY | fileos.os.O_CREAT | fileos.os.O_EXCL,

@@ -30,7 +30,7 @@ def layer_files(store):
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_flush_returns_once_every_layer_is_in_place(mode, tmp_path, monkeypatch):
-    from offload_core.tiers import filewrite as file_tier
+    from offload_core.tiers.file import filewrite as file_tier
 
     real = file_tier.pwrite_all
     monkeypatch.setattr(file_tier, "pwrite_all", lambda *a: (time.sleep(0.02), real(*a)))  # a slow disk
@@ -124,7 +124,7 @@ def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path, wait_until)
 def test_a_put_holds_a_few_chunks_of_staging_whatever_the_layer_size(mode, tmp_path, monkeypatch):
     # Each chunk goes out through one buffer of a small ring: a layer four times the ring's size is written
     # exactly through it, and the staging held never exceeds the ring.
-    from offload_core.tiers import fileio
+    from offload_core.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
     gen = torch.Generator().manual_seed(3)
@@ -171,7 +171,7 @@ def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_pat
     """The header gets its own allocation and the data `reserve_pieces`, each by itself: a filesystem starts each
     power-of-two allocation of 2 to 32 MiB on a 2 MiB boundary (ext4), so no request of the data straddles
     the disk's 2 MiB grain (a 50 MiB allocation started 8 KiB past one)."""
-    from offload_core.tiers import fileos
+    from offload_core.tiers.file import fileos
 
     if system.name != "linux":
         pytest.skip("posix_fallocate is Linux's: macOS preallocates a file whole, Windows extends it")
@@ -197,7 +197,7 @@ def test_a_layer_files_data_is_allocated_apart_from_its_header_in_pieces(tmp_pat
 
 
 def test_reserve_pieces_are_powers_of_two_largest_first():
-    from offload_core.tiers.fileos import reserve_pieces
+    from offload_core.tiers.file.fileos import reserve_pieces
 
     def sizes(mib):
         pieces = reserve_pieces(4096, int(mib * MiB))

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from offload_core import passive
-from offload_core.contentdigest import content_digest
-from offload_core.fingerprint import Unkeyable, model_state, plain
+from offload_core.reuse.contentdigest import content_digest
+from offload_core.reuse.fingerprint import Unkeyable, model_state, plain
 
 CPU = torch.device("cpu")
 
@@ -130,7 +130,7 @@ def test_plain_values_are_read_by_content_and_objects_refuse():
 
 
 def test_the_cpu_s_one_pass_weighted_sum_wraps_exactly_like_the_product_summed():
-    from offload_core.contentdigest import _weighted_sum, _weights
+    from offload_core.reuse.contentdigest import _weighted_sum, _weights
     words = torch.randint(-(2 ** 63), 2 ** 63 - 1, (1 << 16,), dtype=torch.int64)  # every product overflows
     weights = _weights(torch.device("cpu"))[: words.numel()]
     assert _weighted_sum(words, weights) == (words * weights).sum()

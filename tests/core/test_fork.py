@@ -196,7 +196,7 @@ def test_a_child_makes_its_own_store_beside_the_parents_and_reclaims_nothing_liv
 def test_a_child_that_outlives_its_parent_does_not_keep_the_parents_directory(parent_store, tmp_path):
     # The child closes its copies of the lock descriptors at the fork: were it to keep them, the directory of a
     # parent killed meanwhile would look alive for as long as the child runs, and never be reclaimed.
-    from offload_core.tiers import fileowner
+    from offload_core.tiers.file import fileowner
 
     store, _, _ = parent_store
     owned = [d for d in list(fileowner._OPEN) if d.path.startswith(str(tmp_path))]
@@ -215,7 +215,7 @@ def test_a_child_that_outlives_its_parent_does_not_keep_the_parents_directory(pa
 
 def test_a_child_leaves_the_stores_its_parents_prefix_registry_keeps(tmp_path):
     # The registry's finalizer closes every kept store at interpreter exit: not in a forked child.
-    from offload_core.reuse import PrefixRegistry
+    from offload_core.reuse.registry import PrefixRegistry
 
     from registry_stores import filled_store, key
 

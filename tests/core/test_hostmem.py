@@ -6,8 +6,9 @@ import psutil
 import pytest
 import torch
 
-from offload_core import HostServices, KVStore, OffloadConfig, hostmem, memory_snapshot
-from offload_core.hostmem import HostAllocator, PinBudget
+from offload_core import HostServices, KVStore, OffloadConfig, memory_snapshot
+from offload_core.host import hostmem
+from offload_core.host.hostmem import HostAllocator, PinBudget
 
 
 class RecordingPinner:
@@ -70,7 +71,7 @@ def test_pinning_service_exception_is_contained_and_said_once_with_its_reason(ca
         raise RuntimeError("cudaErrorHostMemoryAlreadyRegistered")
 
     alloc = HostAllocator(pin=True, budget=1 << 20, pin_fn=broken, unpin_fn=lambda t: None)
-    with caplog.at_level(logging.WARNING, logger="offload_core.hostmem"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.host.hostmem"):
         bufs = [alloc.alloc(4096) for _ in range(3)]
     assert not any(b.pinned for b in bufs) and alloc.pinned_bytes == 0
     assert alloc.fallback_reason == "the pinning service raised RuntimeError: cudaErrorHostMemoryAlreadyRegistered"

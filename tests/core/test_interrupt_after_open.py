@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import fileos
+from offload_core.tiers.file import fileos
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
 

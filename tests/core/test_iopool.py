@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from offload_core.tiers import iopool
+from offload_core.tiers.file import iopool
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.tiers import fileread as file_tier
+from offload_core.tiers.file import fileread as file_tier
 
 from ordering_helpers import read_back
 from store_helpers import make_layers, put_all

@@ -8,9 +8,10 @@ recorded violation, when that fence is removed; on the plain CPU path all of the
 import pytest
 import torch
 
-from offload_core import KVStore, OffloadConfig, devices
-from offload_core.hostmem import HostAllocator
-from offload_core.tiers.staging import StagingPool
+from offload_core import KVStore, OffloadConfig
+from offload_core.host import devices
+from offload_core.host.hostmem import HostAllocator
+from offload_core.tiers.file.staging import StagingPool
 
 from ordering_helpers import read_back
 from store_helpers import make_layers, put_all

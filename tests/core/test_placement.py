@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-import offload_core.store as store_module
+import offload_core.store.kvstore as store_module
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.places import GiB
-from offload_core.plan import RESERVE_BYTES
-from offload_core.tiers import fileio, iopool
+from offload_core.store.plan import RESERVE_BYTES
+from offload_core.tiers.file import fileio, iopool
 
 from store_helpers import make_layers, put_all
 
@@ -213,7 +213,7 @@ def test_a_store_whose_close_did_not_finish_is_closed_again_when_dropped_and_log
         store.close()
     except OSError:  # (no `pytest.raises`: its traceback would keep the store alive)
         pass
-    with caplog.at_level(logging.WARNING, logger="offload_core.resources"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.store.resources"):
         del store
         gc.collect()
     assert len(calls) == 2  # the safety net tried again

@@ -4,7 +4,7 @@ import pytest
 
 from offload_core.config import Mode
 from offload_core.places import DEVICE, FILE, PAGEABLE, PINNED, GiB, MiB
-from offload_core.plan import RESERVE_BYTES, Figures, make_plan, resident_indices
+from offload_core.store.plan import RESERVE_BYTES, Figures, make_plan, resident_indices
 
 LAYER = 64 * MiB
 

@@ -8,7 +8,7 @@ import torch
 from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.config import Mode
 from offload_core.places import MiB
-from offload_core.plan import Figures, make_plan
+from offload_core.store.plan import Figures, make_plan
 
 SHAPE = (1, 2, 64, 32)  # bf16: a layer is exactly 16 KiB in the flat layout
 LAYER = 16384

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core import prefix, reusebudget
-from offload_core.reuse import PrefixRegistry
-from offload_core.reusebudget import parse_budget
+from offload_core.reuse import prefix, budget as reusebudget
+from offload_core.reuse.registry import PrefixRegistry
+from offload_core.reuse.budget import parse_budget
 from registry_stores import LAYERS, TIERS, files, filled_store, key
 
 
@@ -240,7 +240,7 @@ def test_a_store_whose_file_write_failed_is_not_kept(tmp_path, failing_writes, c
     for i in range(LAYERS):
         store.put(i, torch.full((1, 16, 2, 8), float(i)), torch.zeros(1, 16, 2, 8))
     registry = PrefixRegistry({"device": 1 << 30, "host": 1 << 30, "file": 1 << 30})
-    with caplog.at_level("WARNING", logger="offload_core.reuse"):
+    with caplog.at_level("WARNING", logger="offload_core.reuse.registry"):
         assert not registry.admit(key(torch.ones(3)), store, "cond")
     heal()
     stats = registry.stats()

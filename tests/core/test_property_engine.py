@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core import store as store_module
-from offload_core.tiers import fileio, iopool
+from offload_core.store import kvstore as store_module
+from offload_core.tiers.file import fileio, iopool
 
 from property_draws import MiB, draw_case
 

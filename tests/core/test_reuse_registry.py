@@ -6,8 +6,8 @@ import logging
 import pytest
 import torch
 
-from offload_core.prefix import PrefixKey
-from offload_core.reuse import PrefixRegistry
+from offload_core.reuse.prefix import PrefixKey
+from offload_core.reuse.registry import PrefixRegistry
 from interrupt_lines import lines_of
 from registry_stores import files, filled_store, key
 
@@ -28,12 +28,12 @@ def test_a_key_names_the_model_it_was_computed_by():
 def test_every_rejection_is_counted_and_logged_the_same_way(tmp_path, caplog):
     registry = PrefixRegistry({"host": 10}, name="cond")
     store, _ = filled_store("ram_sync", tmp_path)
-    with caplog.at_level(logging.INFO, logger="offload_core.reuse"):
+    with caplog.at_level(logging.INFO, logger="offload_core.reuse.registry"):
         assert not registry.admit(key(torch.zeros(1)), store)  # over the budget: turned down by the registry
         registry.note_rejection("its files go with the run")  # turned down by the caller, before offering it
     stats = registry.stats()
     assert stats["rejected"] == 2 and stats["last_rejection"] == "its files go with the run"
-    lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.reuse"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "offload_core.reuse.registry"]
     assert len(lines) == 2 and all(line.startswith("KV offload reuse [cond]: not kept (") for line in lines)
     assert "budget" in lines[0] and store.closed
 
@@ -51,7 +51,7 @@ def test_a_kept_store_that_fails_to_close_is_logged_and_the_others_still_close(h
     def close():
         raise OSError(5, "Input/output error")  # e.g. its directory on a disk that went away
     broken.close = close
-    with caplog.at_level(logging.WARNING, logger="offload_core.reuse"):
+    with caplog.at_level(logging.WARNING, logger="offload_core.reuse.registry"):
         if how == "close":
             registry.close()
         else:
@@ -77,8 +77,8 @@ def test_a_bug_in_closing_a_kept_store_is_not_hidden(tmp_path):
 
 
 def _registry_close_lines():
-    from offload_core.reuse import _close_quietly
-    from offload_core.store import KVStore
+    from offload_core.reuse.registry import _close_quietly
+    from offload_core.store.kvstore import KVStore
 
     functions = (PrefixRegistry.close, PrefixRegistry._evict, PrefixRegistry._finish_closing, _close_quietly,
                  KVStore._close)

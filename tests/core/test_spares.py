@@ -6,8 +6,9 @@ import os
 import pytest
 import torch
 
-from offload_core import KVStore, OffloadConfig, hostmem, memory_snapshot
-from offload_core.hostmem import HostAllocator
+from offload_core import KVStore, OffloadConfig, memory_snapshot
+from offload_core.host import hostmem
+from offload_core.host.hostmem import HostAllocator
 
 from test_hostmem import RecordingPinner, _mapping_of
 
@@ -109,7 +110,7 @@ def test_a_second_store_stages_in_the_first_ones_buffers(monkeypatch, tmp_path):
 def test_ctrl_c_as_a_staging_place_grows_never_leaves_its_old_buffer_in_two_places(monkeypatch):
     """The place lets go of its old buffer before the buffer is kept for reuse: a Ctrl-C right after the keep
     (a signal lands at any call) leaves the place empty, never holding a buffer another store may take."""
-    from offload_core.tiers.staging import StagingPool
+    from offload_core.tiers.file.staging import StagingPool
 
     spares = hostmem.Spares()
     monkeypatch.setattr(hostmem, "SPARES", spares)

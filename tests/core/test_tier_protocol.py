@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from offload_core import KVStore, OffloadConfig
-from offload_core.devices import DONE
+from offload_core.host.devices import DONE
 from offload_core.layout import views
 from offload_core.places import DEVICE, FILE, PAGEABLE
 from offload_core.tiers import Tier

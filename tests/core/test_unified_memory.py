@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import torch
 
 from offload_core import KVStore, Mode, OffloadConfig
-from offload_core.devices import unified_memory_reason
+from offload_core.host.devices import unified_memory_reason
 from offload_core.places import FILE, HOST_PLACES, GiB
-from offload_core.plan import Figures, make_plan, resolve
+from offload_core.store.plan import Figures, make_plan, resolve
 
 
 def fake_cuda_properties(integrated):

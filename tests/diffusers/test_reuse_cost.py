@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from offload_core import reusecost
+from offload_core.reuse import cost as reusecost
 from offload_core.bench import models
 from offload_core.diffusers import enable_kv_offload, session as session_module
-from offload_core.reusecost import LOSSES, ReuseCost, StepTimes
+from offload_core.reuse.cost import LOSSES, ReuseCost, StepTimes
 
 from reuse_helpers import BIG
 
@@ -97,7 +97,7 @@ def test_step_times_compare_each_extracting_call_with_one_later_call(monkeypatch
 
 def test_step_times_wait_for_the_device_at_both_ends_of_a_timed_call(monkeypatch):
     # On a GPU a forward returns once its kernels are queued: the time of what ran needs the device's completion.
-    from offload_core import devices
+    from offload_core.host import devices
     waited = []
     monkeypatch.setattr(devices, "wait_for_device", waited.append)
     cuda, times = torch.device("cuda", 0), StepTimes()

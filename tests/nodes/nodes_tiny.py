@@ -231,7 +231,7 @@ class FakePatcher:
         self.load_device = None  # ComfyUI's names where sampling computes; None: a stand-in that does not say
 
     def clone(self):
-        from kv_offload_pack.nodes.wrappers import copy_nested_dicts
+        from kv_offload_pack.nodes.run.wrappers import copy_nested_dicts
 
         n = FakePatcher(self.dm, copy_nested_dicts(self.model_options))
         n.wrappers = {t: {k: list(v) for k, v in d.items()} for t, d in self.wrappers.items()}
@@ -264,7 +264,7 @@ class FakePatcher:
         self.wrappers.get(kind, {}).pop(key, None)
 
     def options(self):
-        from kv_offload_pack.nodes.wrappers import copy_nested_dicts
+        from kv_offload_pack.nodes.run.wrappers import copy_nested_dicts
 
         mo = copy_nested_dicts(self.model_options)
         mo.setdefault("transformer_options", {})["wrappers"] = self.wrappers

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from kv_offload_pack.nodes.reuse import REUSE
+from kv_offload_pack.nodes.run.reuse import REUSE
 
 from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import KEEP_ON, patched_with, queue

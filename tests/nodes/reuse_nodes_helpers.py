@@ -5,7 +5,7 @@ import torch
 
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.reuse import ALWAYS
+from kv_offload_pack.nodes.run.reuse import ALWAYS
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 from nodes_tiny import FakePatcher, sample

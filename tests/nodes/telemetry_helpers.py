@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kv_offload_pack.nodes import telemetry as T
+from kv_offload_pack.nodes.readout import telemetry as T
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 
@@ -60,7 +60,7 @@ def make_store(mode="ram_sync", name="cond", layers=3, batch=1):
 def drive_run(hub, forwards, layers=2, tick=0.0, cfg=False):
     """A real `RunState` on real stores, forward by forward, the way the patches drive it; returns the stores'
     own stats as they were when the run closed them."""
-    from kv_offload_pack.nodes.state import RunState
+    from kv_offload_pack.nodes.run.state import RunState
 
     run = RunState(OffloadConfig(mode="ram_sync"), None, n_layers=layers, store_factory=KVStore, telemetry=hub)
     uuids = ["u", "c"] if cfg else ["c"]  # uncond first in the batch, as ComfyUI may batch them

@@ -9,7 +9,8 @@ after a run, an interrupt or an error.
 import pytest
 import torch
 
-from kv_offload_pack.nodes import arvideo, host as host_mod
+from kv_offload_pack.nodes.families import arvideo
+from kv_offload_pack.nodes.run import host as host_mod
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
@@ -165,7 +166,7 @@ def test_mode_off_leaves_comfys_own_cache(tmp_path):
 
 
 def test_the_readout_shows_the_video_cache_growing_and_its_last_figures(tmp_path):
-    from kv_offload_pack.nodes.telemetry import TelemetryHub
+    from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
 
     pushed = []
     hub = TelemetryHub(send=lambda event, payload: pushed.append(payload), min_interval_s=0.0)

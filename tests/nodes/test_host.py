@@ -7,8 +7,8 @@ import types
 
 import torch
 
-from kv_offload_pack.nodes import host as host_mod
-from kv_offload_pack.nodes.state import RunState
+from kv_offload_pack.nodes.run import host as host_mod
+from kv_offload_pack.nodes.run.state import RunState
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 

@@ -3,8 +3,8 @@
 import pytest
 
 from kv_offload_pack.nodes import keys
-from kv_offload_pack.nodes.readout import NO_READOUT, guarded
-from kv_offload_pack.nodes.reuse import ReusableStore
+from kv_offload_pack.nodes.readout.protocol import NO_READOUT, guarded
+from kv_offload_pack.nodes.run.reuse import ReusableStore
 
 
 def test_each_shared_key_keeps_its_value():

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from kv_offload_pack.nodes import compiler, host as host_mod, wrappers
+from kv_offload_pack.nodes.run import compiler, host as host_mod, wrappers
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.reuse import ALWAYS, REUSE
+from kv_offload_pack.nodes.run.reuse import ALWAYS, REUSE
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 import wan_tiny

@@ -96,7 +96,7 @@ def test_two_cuda_devices_each_keep_their_own_stores(tmp_path):
 
 def test_a_stand_down_in_one_thread_leaves_the_store_another_thread_reads_until_its_forward_ends():
     from kv_offload_pack.nodes.inputs import config_from_inputs
-    from kv_offload_pack.nodes.state import CACHED, RunState
+    from kv_offload_pack.nodes.run.state import CACHED, RunState
 
     run = RunState(config_from_inputs("ram_sync"), None, 1, KVStore)
     run.devices = True
@@ -128,7 +128,7 @@ def test_a_stand_down_in_one_thread_leaves_the_store_another_thread_reads_until_
 
 
 def test_the_readout_shows_each_device_with_its_stores_while_the_run_goes(tmp_path):
-    from kv_offload_pack.nodes.telemetry import TelemetryHub
+    from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
 
     pushed = []
     hub = TelemetryHub(send=lambda event, payload: pushed.append(payload), min_interval_s=0.0)
@@ -156,12 +156,12 @@ class _FillTogether(Spy):
 
 
 def test_auto_on_two_devices_never_books_the_same_free_ram_twice(tmp_path, monkeypatch):
-    from kv_offload_pack.offload_core import store as store_module
+    from kv_offload_pack.offload_core.store import kvstore as store_module
     from kv_offload_pack.nodes.apply import apply_offload
     from kv_offload_pack.nodes.inputs import config_from_inputs
     from kv_offload_pack.offload_core import HostServices
     from kv_offload_pack.offload_core.places import HOST_PLACES
-    from kv_offload_pack.offload_core.plan import RESERVE_BYTES
+    from kv_offload_pack.offload_core.store.plan import RESERVE_BYTES
 
     from nodes_tiny import FakePatcher, TinyDiT
 

@@ -12,10 +12,10 @@ import torch
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.keys import RUN_KEY
-from kv_offload_pack.nodes.qwen21 import PREFIX_ENTRIES
-from kv_offload_pack.nodes.state import RunState
-from kv_offload_pack.nodes.telemetry import TelemetryHub
-from kv_offload_pack.nodes.wan import CACHE_KEY
+from kv_offload_pack.nodes.families.qwen21 import PREFIX_ENTRIES
+from kv_offload_pack.nodes.run.state import RunState
+from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
+from kv_offload_pack.nodes.families.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
 from kv_offload_pack.offload_core.places import HOST_PLACES
 

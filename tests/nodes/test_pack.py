@@ -5,7 +5,7 @@ import os
 import sys
 
 import kv_offload_pack
-from kv_offload_pack.nodes import qwen21
+from kv_offload_pack.nodes.families import qwen21
 
 
 def test_pack_exports_the_entry_point_without_importing_comfyui():

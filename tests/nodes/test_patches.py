@@ -6,7 +6,7 @@ import torch
 from kv_offload_pack.nodes import inputs as inputs_mod
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.state import RUN_KEY
+from kv_offload_pack.nodes.run.state import RUN_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 from kv_offload_pack.offload_core.places import MiB
 

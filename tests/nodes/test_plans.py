@@ -7,9 +7,9 @@ import torch
 
 from kv_offload_pack.nodes import inputs as inputs_mod
 from kv_offload_pack.nodes.apply import apply_offload
-from kv_offload_pack.nodes.cache_dtype import storage_for_qwen21
+from kv_offload_pack.nodes.families.cache_dtype import storage_for_qwen21
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
+from kv_offload_pack.nodes.families.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, OffloadConfig
 from kv_offload_pack.offload_core.places import MiB
 

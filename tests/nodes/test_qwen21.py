@@ -7,7 +7,7 @@ import torch
 
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.qwen21 import OPTIONS_KEY
+from kv_offload_pack.nodes.families.qwen21 import OPTIONS_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 from nodes_tiny import FakePatcher, sample

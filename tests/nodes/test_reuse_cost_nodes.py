@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kv_offload_pack.nodes import reuse as reuse_module
-from kv_offload_pack.nodes.branch import CACHED, CAPTURE
+from kv_offload_pack.nodes.run import reuse as reuse_module
+from kv_offload_pack.nodes.run.branch import CACHED, CAPTURE
 from kv_offload_pack.nodes.inputs import reuse_from_inputs
-from kv_offload_pack.nodes.reuse import ALWAYS, REUSE, RunCost
-from kv_offload_pack.offload_core import reusecost
-from kv_offload_pack.offload_core.reusecost import LOSSES, ReuseCost
+from kv_offload_pack.nodes.run.reuse import ALWAYS, REUSE, RunCost
+from kv_offload_pack.offload_core.reuse import cost as reusecost
+from kv_offload_pack.offload_core.reuse.cost import LOSSES, ReuseCost
 
 from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import Fills, patched, queue

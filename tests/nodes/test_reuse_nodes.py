@@ -9,8 +9,8 @@ import torch
 
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.reuse import FLUX_KV_REASON, REUSE
-from kv_offload_pack.nodes.telemetry import TelemetryHub
+from kv_offload_pack.nodes.run.reuse import FLUX_KV_REASON, REUSE
+from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
 from kv_offload_pack.offload_core import HostServices, KVStore
 
 from nodes_tiny import TinyDiT, sample

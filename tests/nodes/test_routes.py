@@ -1,10 +1,10 @@
-"""The readout's HTTP side (`nodes/routes.py`), with a stand-in for `comfy.model_management`."""
+"""The readout's HTTP side (`nodes/readout/routes.py`), with a stand-in for `comfy.model_management`."""
 
 import logging
 import sys
 import types
 
-from kv_offload_pack.nodes import routes
+from kv_offload_pack.nodes.readout import routes
 
 
 def test_a_torch_device_that_comfyui_cannot_name_is_said_at_warning(monkeypatch, caplog):

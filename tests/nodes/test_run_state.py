@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from kv_offload_pack.nodes.patches import RefKVAttention
-from kv_offload_pack.nodes.state import CACHED, CAPTURE as EXTRACT, RUN_KEY, RunState
+from kv_offload_pack.nodes.families.flux import RefKVAttention
+from kv_offload_pack.nodes.run.state import CACHED, CAPTURE as EXTRACT, RUN_KEY, RunState
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
 from kv_offload_pack.offload_core.places import GiB
 
@@ -102,7 +102,7 @@ def _failing_close(store, exc):
 def test_a_store_that_fails_to_close_on_a_stand_down_is_said_once_and_the_run_goes_on(caplog):
     run, (first, second) = _two_stores()
     _failing_close(first, RuntimeError("device lost"))
-    with caplog.at_level(logging.WARNING, logger="kv_offload_pack.nodes.state"):
+    with caplog.at_level(logging.WARNING, logger="kv_offload_pack.nodes.run.state"):
         run.stand_down("the disk filled up")  # returns: the run samples on without the cache
     assert first.closed and second.closed and run.branches == {}
     said = [r for r in caplog.records if "failed while the cache stood down" in r.getMessage()]
@@ -123,7 +123,7 @@ def test_a_run_directory_that_cannot_be_removed_is_said_once_at_warning(monkeypa
 
     monkeypatch.setattr(once, "_SAID", set())
 
-    class Stuck:  # the host's per-run directory (`nodes/host.py`'s RunDir): called for its path, cleaned up at the end
+    class Stuck:  # the host's per-run directory (`nodes/run/host.py`'s RunDir): called for its path, cleaned up at the end
         def __call__(self):
             return "/nonexistent"
 
@@ -135,7 +135,7 @@ def test_a_run_directory_that_cannot_be_removed_is_said_once_at_warning(monkeypa
                        store_factory=KVStore)
         run.close()  # does not raise: the run is over, a folder left behind is said
 
-    with caplog.at_level(logging.DEBUG, logger="kv_offload_pack.nodes.state"):
+    with caplog.at_level(logging.DEBUG, logger="kv_offload_pack.nodes.run.state"):
         one_run()
         one_run()
     said = [r for r in caplog.records if "could not remove the run's cache directory" in r.getMessage()]

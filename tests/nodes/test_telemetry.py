@@ -14,8 +14,8 @@ import subprocess
 import pytest
 import torch
 
-from kv_offload_pack.nodes import telemetry as T
-from kv_offload_pack.nodes.figures import to_json
+from kv_offload_pack.nodes.readout import telemetry as T
+from kv_offload_pack.nodes.readout.figures import to_json
 from kv_offload_pack.offload_core import KVStore, OffloadConfig
 
 from telemetry_helpers import FakeClock, hub, make_store  # noqa: F401 (hub: a fixture)
@@ -185,7 +185,7 @@ def test_a_store_whose_stats_fail_keeps_its_last_figures_and_is_reported_once(hu
 
 
 def test_a_readout_call_that_fails_is_logged_and_never_breaks_the_run(caplog):
-    from kv_offload_pack.nodes.state import RunState
+    from kv_offload_pack.nodes.run.state import RunState
 
     class Broken:
         def __getattr__(self, name):

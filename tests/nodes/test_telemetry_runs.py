@@ -2,8 +2,8 @@
 
 import pytest
 
-from kv_offload_pack.nodes import telemetry as T
-from kv_offload_pack.nodes.figures import store_order
+from kv_offload_pack.nodes.readout import telemetry as T
+from kv_offload_pack.nodes.readout.figures import store_order
 from telemetry_helpers import drive_run, hub  # noqa: F401 (hub: a fixture)
 
 

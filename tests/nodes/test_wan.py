@@ -8,8 +8,8 @@ import torch
 
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
-from kv_offload_pack.nodes.telemetry import TelemetryHub
-from kv_offload_pack.nodes.wan import CACHE_KEY
+from kv_offload_pack.nodes.readout.telemetry import TelemetryHub
+from kv_offload_pack.nodes.families.wan import CACHE_KEY
 from kv_offload_pack.offload_core import HostServices, KVStore, OffloadConfig
 from kv_offload_pack.offload_core.places import MiB
 
@@ -129,8 +129,8 @@ def test_stores_are_freed_on_interrupt_and_error(tmp_path, failure, windows):
 
 
 def test_an_interrupted_fill_is_never_served(tmp_path):
-    from kv_offload_pack.nodes.state import RunState
-    from kv_offload_pack.nodes.wan import PoseStoreCache
+    from kv_offload_pack.nodes.run.state import RunState
+    from kv_offload_pack.nodes.families.wan import PoseStoreCache
 
     run = RunState(OffloadConfig(mode="ram_sync"), HostServices(), 3, KVStore)
     cache = PoseStoreCache(run, 3)
@@ -189,8 +189,8 @@ def test_lossy_storage_error_is_measured_and_shown(tmp_path, storage):
 
 
 def test_the_least_recently_used_window_is_the_one_evicted():
-    from kv_offload_pack.nodes.state import RunState
-    from kv_offload_pack.nodes.wan import PoseStoreCache
+    from kv_offload_pack.nodes.run.state import RunState
+    from kv_offload_pack.nodes.families.wan import PoseStoreCache
 
     cache = None
     room_for_two = HostServices(free_host_memory=lambda: 0 if len(cache.windows) >= 2 else 1 << 40)

@@ -1,0 +1,1 @@
+"""One sampling run: its state and stores, the wrappers that bracket it, the host's services, reuse."""

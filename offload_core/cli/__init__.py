@@ -1,0 +1,1 @@
+"""The command line's shared argument checks and the demo."""
