@@ -204,10 +204,45 @@ def _active_modes() -> Optional[str]:
 def torch_state(device: torch.device) -> tuple:
     """The process-wide torch switches that change what a matmul or an attention computes on `device`."""
     kind = device.type
-    state = [torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled(),
+    state = [*fp32_precisions().items(), torch.are_deterministic_algorithms_enabled(),
              torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)) if torch.is_autocast_enabled(kind) else None]
     cuda = torch.backends.cuda
     state += [cuda.matmul.allow_tf32, cuda.matmul.allow_fp16_reduced_precision_reduction,
               cuda.matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32,
               cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()]
     return tuple(repr(s) for s in state)
+
+
+_FP32_SWITCHES = ("fp32_precision", "cuda.matmul.fp32_precision", "cudnn.fp32_precision", "cudnn.conv.fp32_precision",
+                  "cudnn.rnn.fp32_precision", "mkldnn.fp32_precision", "mkldnn.matmul.fp32_precision",
+                  "mkldnn.conv.fp32_precision", "mkldnn.rnn.fp32_precision")
+FULL_PRECISION = {"highest", "none", "ieee"}  # what the legacy and the new precision API call full float32
+
+
+def fp32_precisions() -> dict:
+    """Every float32 precision switch torch has, by name. The legacy `get_float32_matmul_precision()` raises
+    once the new per-backend API (`torch.backends.mkldnn.matmul.fp32_precision = "bf16"`) set a mixed state: it
+    is then "mixed", and the per-backend values say what is in force."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        legacy = "mixed"
+    out = {"float32_matmul_precision": legacy}
+    for path in _FP32_SWITCHES:
+        value = torch.backends
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if value is not None:
+            out[path] = str(value)
+    return out
+
+
+def reduced_matmul_precision() -> Optional[str]:
+    """The first float32 matmul precision switch set below full precision, as `name = value`; None if none is."""
+    switches = fp32_precisions()
+    legacy = switches.pop("float32_matmul_precision")  # last: a "mixed" one is named by the switch that made it
+    matmuls = {k: v for k, v in switches.items() if "conv" not in k and "rnn" not in k and k != "cudnn.fp32_precision"}
+    for name, value in [*matmuls.items(), ("float32_matmul_precision", legacy)]:
+        if value not in FULL_PRECISION:
+            return f"{name} = {value!r}"
+    return None

@@ -117,3 +117,20 @@ def test_plain_values_are_read_by_content_and_objects_refuse():
     with pytest.raises(Unkeyable, match=r"kwargs\['f'\] holds a function"):
         plain({"f": lambda: 0}, "kwargs")
 
+
+
+def test_the_new_precision_api_is_read_and_never_crashes_the_key():
+    """`torch.backends.mkldnn.matmul.fp32_precision = "bf16"` makes the legacy getter raise; the key reads every
+    switch instead, and sees the change."""
+    from offload_core.fingerprint import reduced_matmul_precision
+
+    model = _model()
+    base = model_state(model, CPU)
+    saved = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        assert model_state(model, CPU).identity != base.identity
+        assert "mkldnn.matmul.fp32_precision = 'bf16'" == reduced_matmul_precision()
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = saved
+    assert model_state(model, CPU).identity == base.identity and reduced_matmul_precision() is None
