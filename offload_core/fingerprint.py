@@ -31,15 +31,15 @@ from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
-from .codeprint import code_identity
+from .codeprint import code_reads
 from .contentdigest import content_digest
+from .valueprint import Unkeyable, Values
 
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
-_SKIPPED_ATTRS = {"_parameters", "_buffers", "_modules", "training", "processor", "_compiled_call_impl"}
-
-
-class Unkeyable(Exception):
-    """The key cannot read something that may change the prefix: reuse must be off for this request."""
+# read on their own: weights, submodules, the processor, hooks (diffusers' registry is added by a pipeline's first
+# call: read as an attribute, it made the first request's key one no later request could match)
+_SKIPPED_ATTRS = {"_parameters", "_buffers", "_modules", "training", "processor", "_compiled_call_impl",
+                  "_diffusers_hook"}
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,21 @@ def model_state(module: torch.nn.Module, compute_device: torch.device,
     tensors = list(module.named_parameters()) + list(module.named_buffers())
     _check_placement(tensors, compute_device)
     tree, state_tensors = _module_tree(module, own)
+    code, code_tensors = _code(module)
     identity = (id(module), type(module).__qualname__, torch_state(compute_device),
-                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, _code(module))
+                tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, code,
+                content_digest(code_tensors))  # apart from the weights': a change there is not new weights
     digest = content_digest([t for _, t in tensors] + state_tensors)
     return ModelState(identity, digest, time.perf_counter() - start)
 
 
-def _code(module: torch.nn.Module) -> tuple:
-    """`codeprint.code_identity`, failing closed: code it cannot read (an object that refuses to be hashed or
+def _code(module: torch.nn.Module) -> Tuple[tuple, List[torch.Tensor]]:
+    """`codeprint.code_reads`, failing closed: code it cannot read (an object that refuses to be hashed or
     looked at) turns reuse off for the request instead of failing it."""
     try:
-        return code_identity(module)
+        return code_reads(module)
+    except Unkeyable:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure to read the code is a reason to refuse, never to crash
         raise Unkeyable(f"the code its forward reaches could not be read ({type(exc).__name__}: {exc})") from exc
 
@@ -120,20 +124,19 @@ def _module_tree(module: torch.nn.Module, own) -> Tuple[tuple, List[torch.Tensor
     modes = _active_modes()
     if modes:
         raise Unkeyable(f"a torch {modes} mode is active around the call")
-    parts, tensors = [], []
+    parts = []
+    values = Values(tree=frozenset(map(id, module.modules())))
     for name, sub in module.named_modules():
         where = name or type(module).__name__
         _check_hooks(f"module {where!r}", _hooks_of(sub), own)
         if _forward_replaced(sub):
             raise Unkeyable(f"module {where!r} has its forward replaced (an accelerate or diffusers hook, or a "
                             "patch), which the reuse key cannot read")
-        state, found = _attributes(sub, f"module {where!r}")
         processor = getattr(sub, "processor", None)
-        proc_state, proc_found = plain(vars(processor) if processor is not None else {}, f"the processor of {where!r}")
         parts.append((name, type(sub).__qualname__, sub.training, getattr(sub, "_compiled_call_impl", None) is not None,
-                      state, type(processor).__qualname__ if processor is not None else None, proc_state))
-        tensors += found + proc_found
-    return tuple(parts), tensors
+                      _attributes(sub, values, f"module {where!r}"), type(processor).__qualname__,
+                      values.describe(vars(processor) if processor is not None else {}, f"the processor of {where!r}")))
+    return tuple(parts), values.tensors
 
 
 def _forward_replaced(sub: torch.nn.Module) -> bool:
@@ -145,20 +148,14 @@ def _forward_replaced(sub: torch.nn.Module) -> bool:
     return not (getattr(forward, "__func__", None) is type(sub).forward and getattr(forward, "__self__", None) is sub)
 
 
-def _attributes(sub: torch.nn.Module, where: str) -> Tuple[tuple, List[torch.Tensor]]:
-    """A module's own attributes: plain values (tensors by content) as they are, other objects by type only
-    (their hooks and processors are read on their own)."""
-    parts, tensors = [], []
-    for name, value in sorted(vars(sub).items()):
-        if name in _SKIPPED_ATTRS or name.startswith(("_forward", "_backward", "_state_dict", "_load_state")):
-            continue
-        try:
-            described, found = plain(value, f"{where}.{name}")
-        except Unkeyable:
-            described, found = ("object", type(value).__qualname__), []
-        parts.append((name, described))
-        tensors += found
-    return tuple(parts), tensors
+def _attributes(sub: torch.nn.Module, values: Values, where: str) -> tuple:
+    """A module's own attributes by content (`valueprint`: tensors by content, objects by type and state,
+    functions by identity; their code is walked by `codeprint`)."""
+    return tuple((name, values.describe(value, f"{where}.{name}")) for name, value in sorted(vars(sub).items())
+                 if not (name in _SKIPPED_ATTRS or name.startswith(_HOOK_DICTS)))
+
+
+_HOOK_DICTS = ("_forward", "_backward", "_state_dict", "_load_state")
 
 
 def _hooks_of(sub: torch.nn.Module) -> Iterable[object]:
