@@ -166,22 +166,18 @@ def main_patch_setup(pipe):
              "CONFIG": {"scale": 1.0}, "settings": settings}
     exec(compile(_MAIN_SOURCE, "<__main__>", "exec"), scope)  # noqa: S102 - builds a function of `__main__`
     cls = type(pipe.transformer.transformer_blocks[0].attn.norm_k)
-    undo = _patch(cls, "forward", scope["make"])
-    MAIN[:] = [scope, cls]
-    return undo
+    original = vars(cls)["forward"]
+    forward = cls.forward = scope["make"](original)
+    MAIN[:] = [scope, next(c.cell_contents for c in forward.__closure__ if torch.is_tensor(c.cell_contents))]
+    return lambda: setattr(cls, "forward", original)
 
 
-MAIN: list = []  # (the patch's globals, the patched class) while the setup is in force
-
-
-def _main_closure_tensor():
-    cells = vars(MAIN[1])["forward"].__closure__
-    return next(c.cell_contents for c in cells if torch.is_tensor(c.cell_contents))
+MAIN: list = []  # (the patch's globals, the tensor in its closure) while the setup is in force
 
 
 def main_closure_tensor(pipe):
-    _main_closure_tensor().fill_(1.01)
-    return lambda: _main_closure_tensor().fill_(1.0)
+    MAIN[1].fill_(1.01)
+    return lambda: MAIN[1].fill_(1.0)
 
 
 def main_global_tensor(pipe):
@@ -217,3 +213,20 @@ SETUPS = {
     "gelu_partial": gelu_partial_setup, "bound_method": bound_method_setup,
     **{name: main_patch_setup for name in VALUE_CHANGES if name.startswith("main_")},
 }
+
+
+# The property run's scenes: setups that can be in force together, and the changes of `changes.CHANGES` that
+# would undo them out of order (another function registered under `native`).
+SCENES = {
+    "partials": (("partial_backend", "gelu_partial", "main_global_dict"), {"native_backend"}),
+    "objects": (("callable_backend", "bound_method", "main_global_dict"), {"native_backend"}),
+}
+
+
+def scene(pipe, name):
+    """Puts the setups of scene `name` in force; returns (their undo, the value changes they make possible,
+    the changes to leave out)."""
+    names, excluded = SCENES[name]
+    undo = [SETUPS[n](pipe) for n in names]
+    possible = {n: c for n, c in VALUE_CHANGES.items() if n not in SETUPS or SETUPS[n] in {SETUPS[m] for m in names}}
+    return (lambda: [u() for u in reversed(undo)]), possible, excluded
