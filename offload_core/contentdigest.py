@@ -4,12 +4,10 @@ A real hash, with no structured blind spot (a weighted sum of words, the former 
 flips bit 63 of an even number of words leaves it unchanged):
 
 - a CPU tensor's bytes go through xxh3-128 where they are (no copy; ~10 GiB/s per core);
-- a tensor on another device is hashed there, so its bytes never cross the bus: each 64-bit word is mixed with
-  its position through murmur3's 64-bit finaliser, a bijection that spreads every input bit over the output,
-  twice (word first, then with the position folded in), and the mixed words are summed modulo 2**64 in two
-  lanes of different seeds. An edit goes unseen only if the sum of its mixed differences is 0 in both lanes:
-  about 2**-128 for any edit that does not depend on the mixer's constants. One small copy per device brings
-  the sums to the host, where xxh3-128 takes them.
+- a tensor on another device is hashed there, so its bytes never cross the bus: each 64-bit word is xored with
+  a key of its position and mixed through murmur3's 64-bit finaliser (a bijection that spreads every input bit
+  over the output), and the mixed words are summed modulo 2**64 (`device_sum`). One small copy per device
+  brings the sums to the host, where xxh3-128 takes them.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import xxhash
 
-_WORDS = 1 << 21  # 64-bit words mixed per kernel on a device: 16 MiB of int64 temporaries per lane
-_SEEDS = (0x243F6A8885A308D3, 0x13198A2E03707344)  # one per lane (digits of pi)
+_WORDS = 1 << 21  # 64-bit words mixed per kernel on a device: 16 MiB of int64 temporaries
+_SEED = 0x243F6A8885A308D3  # digits of pi
 _C1, _C2 = 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53  # murmur3 fmix64
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -54,15 +52,29 @@ def _host_bytes(t: torch.Tensor):
 
 
 def device_sum(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums (lanes) over the mixed 64-bit words of `t`, computed on `t`'s device."""
+    """sum(fmix64(word_i ^ key_i)) modulo 2**64 over the 64-bit words of `t`, computed on `t`'s device. The keys
+    are distinct (fmix64 of distinct numbers), so no two edits of the words give the same multiset of mixed
+    terms: an edit goes unseen only if the sum of its mixed differences is 0, a 2**-64 chance."""
     words = _words(t)
-    total = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _WORDS):
+    keys = _keys(t.device)
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for number, start in enumerate(range(0, words.numel(), _WORDS)):
         chunk = words[start:start + _WORDS]
-        pos = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device)
-        for lane, seed in enumerate(_SEEDS):
-            total[lane] += _fmix(_fmix(chunk ^ _signed(seed)) ^ _fmix(pos * _signed(_GOLDEN) + _signed(seed))).sum()
+        # each chunk's sum mixed again with its number: a word moved to the same place in another chunk shows
+        total += _fmix(_fmix(chunk ^ keys[: chunk.numel()]).sum() ^ _signed((number * _GOLDEN + 1) % (1 << 64)))
     return total
+
+
+_KEYS: Dict[torch.device, torch.Tensor] = {}
+
+
+def _keys(device: torch.device) -> torch.Tensor:
+    """One pseudo-random key per word position in a chunk (16 MiB per device, made once)."""
+    keys = _KEYS.get(device)
+    if keys is None:
+        pos = torch.arange(_WORDS, dtype=torch.int64, device=device)
+        keys = _KEYS[device] = _fmix(pos * _signed(_GOLDEN) + _signed(_SEED))
+    return keys
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ def _cpu(t):
 
 
 def _device(t):
-    return tuple(device_sum(t).tolist())
+    return int(device_sum(t))
 
 
 DIGESTS = {"cpu": _cpu, "device": _device}
@@ -122,3 +122,15 @@ def test_a_non_contiguous_tensor_digests_as_its_values():
     w = _weight(torch.float32)
     assert content_digest([w.t()]) == content_digest([w.t().contiguous()])
     assert _device(w.t()) == _device(w.t().contiguous())
+
+
+def test_the_device_path_sees_words_moved_between_chunks(monkeypatch):
+    from offload_core import contentdigest
+
+    monkeypatch.setattr(contentdigest, "_WORDS", 8)
+    monkeypatch.setattr(contentdigest, "_KEYS", {})
+    words = torch.randint(-(2 ** 62), 2 ** 62, (32,), dtype=torch.int64, generator=torch.Generator().manual_seed(5))
+    moved = words.clone()
+    moved[[1, 9]] = words[[9, 1]]  # the same place in chunks 0 and 1
+    assert _device(moved) != _device(words)
+    assert _device(words) == _device(words.clone())
