@@ -33,16 +33,20 @@ def guarded_class(cls: type) -> type:
             previous = getattr(CALLING, "session", None)
             CALLING.session = session
             try:
-                result = cls.__call__(self, *args, **kwargs)
-            except BaseException:
+                try:
+                    result = cls.__call__(self, *args, **kwargs)
+                except BaseException:
+                    if session is not None:
+                        session.end_request(raise_errors=False)
+                    raise
+                finally:
+                    CALLING.session = previous
                 if session is not None:
-                    session.end_request(raise_errors=False)
-                raise
+                    session.end_request()
+                return result
             finally:
-                CALLING.session = previous
-            if session is not None:
-                session.end_request()
-            return result
+                if session is not None and session.detach_after_call and previous is not session:
+                    session.detach()  # `disable_kv_offload` was called during the call
 
         def __reduce_ex__(self, protocol):
             # An enabled pipeline carries hooks, open stores and a wrapped VAE bound to this process: a copy

@@ -69,6 +69,7 @@ class OffloadSession:
         self._scope = None  # (transformer, prefix layout) of this request's key, once read
         self._hit = False
         self._key_s = 0.0
+        self.detach_after_call = False  # `disable_kv_offload` was called during this pipeline's call
 
     # -- stores --------------------------------------------------------------------------------------------
     def open_store(self, device: torch.device, expected_bytes: int | None, key: PrefixKey | None = None) -> KVStore:
