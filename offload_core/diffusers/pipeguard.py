@@ -91,3 +91,21 @@ def unguard_decode(vae, session) -> None:
         object.__delattr__(vae, "decode")
     else:
         object.__setattr__(vae, "decode", previous)
+
+
+def guard_copy(transformer, session) -> None:
+    """Refuses pickling and copying the transformer while the adapter's hooks are on it: a copy would carry them
+    (and their stores) and keep them after `disable_kv_offload`. Instance attributes: `del` restores it."""
+    def refuse(*args):
+        raise TypeError(f"{type(transformer).__name__} carries KV offload's hooks and cannot be pickled or copied; "
+                        "call disable_kv_offload(pipe) first and enable it again on the copy.")
+
+    refuse._kv_offload_session = session
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        object.__setattr__(transformer, name, refuse)
+
+
+def unguard_copy(transformer, session) -> None:
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        if getattr(transformer.__dict__.get(name), "_kv_offload_session", None) is session:
+            object.__delattr__(transformer, name)

@@ -110,9 +110,14 @@ def test_an_enabled_pipeline_refuses_to_be_copied_and_is_copyable_again_after_di
         for attempt in (pickle.dumps, copy.deepcopy, copy.copy):
             with pytest.raises(TypeError, match=r"disable_kv_offload\(pipe\) first"):
                 attempt(flux_pipe)
+        for attempt in (pickle.dumps, copy.deepcopy):  # the transformer alone would carry the hooks along
+            with pytest.raises(TypeError, match=r"Flux2Transformer2DModel carries KV offload's hooks"):
+                attempt(flux_pipe.transformer)
     finally:
         disable_kv_offload(flux_pipe)
     assert type(copy.copy(flux_pipe)) is type(flux_pipe)
+    copied = copy.deepcopy(flux_pipe.transformer)
+    assert _hooks(copied) == _hooks(flux_pipe.transformer) and "__deepcopy__" not in vars(copied)
 
 
 @pytest.mark.parametrize("which", ["qwen_pipe", "flux_pipe"])
