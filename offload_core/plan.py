@@ -17,7 +17,7 @@ from .config import Mode
 from .places import DEVICE, FILE, GiB, HOST_PLACES, KiB, MiB, PAGEABLE, PINNED, PLACES, WORDS
 
 RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
-MAX_LAYERS = 4096  # the most layers a plan lists (the deepest supported model has 60)
+MAX_LAYERS = 1 << 20  # the most layers a plan lists (8 MiB of entries; the deepest supported model has 60)
 ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)
 
 
