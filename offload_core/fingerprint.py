@@ -5,18 +5,18 @@ A prefix key must cover everything that can change the prefix's K/V (DESIGN.md �
 - the weights and buffers by their full content: `contentdigest.content_digest` hashes every byte of every
   tensor on the device it lives on (a write through `.data`, which torch's version counters never see,
   included);
-- the module tree's state: every module's own attributes (plain values, tensors by content: PEFT's adapter
-  state, scalings, cached rope tables), its training flag, compiled or not, each attention processor's class
-  and instance state;
+- the module tree's state: every module's own attributes by content (`valueprint`: plain values, tensors by
+  content — PEFT's adapter state, scalings, cached rope tables —, partials, callable objects by their state),
+  its training flag, compiled or not, each attention processor's class and instance state;
 - everything wrapped around the forward: torch forward hooks and pre-hooks on any module (global ones too),
-  a replaced `forward`, active torch function / dispatch modes; and the torch numerics flags (TF32, reduced
-  precision reductions, SDPA backends, autocast);
-- the code the forward can reach (`codeprint.code_identity`): a patched class or processor, a replaced module
-  function or torch function, an attention backend registered under another function, an attribute holding
-  another function.
+  a replaced `forward`, active torch function / dispatch modes; and the torch numerics flags (TF32, every
+  float32 precision switch, reduced precision reductions, SDPA backends, autocast);
+- the code the forward can reach and the values it reads (`codeprint.code_reads`): a patched class or
+  processor, a replaced module or torch function, a backend registered under another function, a default, a
+  closure cell, a global or a module attribute changed, the environment; the tensors it reads by content.
 
-It fails closed: whatever it cannot read as plain values (a user's hook, a processor holding an object, weights
-on the meta device) raises `Unkeyable` with the reason, and the caller turns reuse off for that request. Hooks
+It fails closed: whatever it cannot read (a user's hook, an object with `__slots__`, weights on the meta
+device) raises `Unkeyable` with the reason, and the caller turns reuse off for that request. Hooks
 the caller installed itself are passed in as `own` and skipped, and so are hooks declared `passive` (they
 only observe). Weights that live on another device than the
 one computing (model CPU offload, group offloading) are refused too: hashing them every request would cost
