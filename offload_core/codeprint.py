@@ -23,6 +23,8 @@ after every kind of change). The tensors read are digested every request: an in-
 from __future__ import annotations
 
 import builtins
+import functools
+import sys
 import types
 import weakref
 from typing import Dict, List, Set, Tuple
@@ -30,7 +32,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from .codereads import MISSING as _MISSING, Reads
-from .valueprint import FUNCTIONS as _FUNCTIONS, Values, ident as _ident
+from .valueprint import FUNCTIONS as _FUNCTIONS, Values, ident as _ident, ours
 
 _NAMES: Dict[int, Tuple[types.CodeType, Tuple[str, ...]]] = {}  # id(code) -> (code, every name it and its nested code use)
 _TORCH_NN = "torch.nn.modules."  # torch's own module classes: their code is followed (not nn.Module's own)
@@ -140,7 +142,21 @@ class _Walk:
 
     def value(self, where: tuple, value) -> None:
         """A value the code reads, by content (`valueprint`); the functions and classes in it are followed."""
+        if where[0] in ("class value", "attribute"):  # a registry's entries, a module's callable attribute
+            for item in _installed(value):
+                self._adopt(item)
         self.out.append((where, self.values.describe(value, " ".join(map(str, where)))))
+
+    def _adopt(self, value) -> None:
+        """A function installed into the model's code (a method of its classes, a registry's entry, a module's
+        attribute, a torch function replaced) from a package the walk does not follow is a patch: its package
+        is followed from then on, so what the patch wraps and reads is read too (a wrapper of a `__main__`
+        patch, a package's patch that reads a flag of its own)."""
+        func = getattr(value, "__func__", value)
+        if type(func) is types.FunctionType and not ours(func):
+            package = _package(func)
+            if package and package not in _LIBRARIES:
+                self._packages.add(package)
 
     def klass(self, cls: type) -> None:
         for base in self.reads.mro(cls):
@@ -161,6 +177,8 @@ class _Walk:
                 if part is not None:
                     self.record(("property", cls.__qualname__, name), part, follow)
         elif isinstance(value, _FUNCTIONS):
+            if follow:
+                self._adopt(value)
             self.record(("method", cls.__qualname__, name), value, follow)
         elif follow and not (name.startswith("__") and name.endswith("__")) and name != "_abc_impl":
             self.value(("class value", cls.__qualname__, name), value)  # a registry, a default, a table
@@ -211,7 +229,18 @@ class _Walk:
                 if depth > 1:
                     self._module_names(target, names, depth - 1)
             elif target is not _MISSING:
+                if module.__name__.split(".")[0] == "torch":  # a torch function replaced by a patch
+                    self._adopt(target)
                 self.value(("attribute of", module.__name__, name), target)
 
 
 _BUILTINS = vars(builtins)
+_LIBRARIES = frozenset(sys.stdlib_module_names) | {"torch", "numpy"}  # never a patch: their code is not followed
+
+
+def _installed(value):
+    """The functions in a value installed into the model: itself, a partial's or a bound method's function, a
+    registry's entries."""
+    items = list(value.values()) if isinstance(value, dict) else [value]
+    for item in items:
+        yield getattr(item, "func", None) if isinstance(item, functools.partial) else item

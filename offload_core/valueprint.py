@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 import itertools
 import logging
-import inspect
 import os
 import pathlib
 import re
+import sys
 import threading
 import types
 import weakref
@@ -120,7 +121,7 @@ class Values:
         if isinstance(value, property):
             return ("property", *(self.describe(f, where) for f in (value.fget, value.fset) if f is not None))
         if isinstance(value, (type, types.FunctionType, types.CodeType)):
-            if self._follow is not None and not isinstance(value, types.CodeType):
+            if self._follow is not None and not isinstance(value, types.CodeType) and not ours(value):
                 self._follow(value)
             return ident(value)
         if id(value) in self._tree:
@@ -156,6 +157,8 @@ class Values:
             if receiver is None or isinstance(receiver, (type, types.ModuleType)) or _native(receiver):
                 return ("function", head)
             return ("bound", head, self.describe(receiver, f"{where}.__self__"))
+        if ours(value):
+            return ("ours", type(value).__qualname__, serial(value))
         if isinstance(value, _INERT) or type(value).__module__ == "_abc":
             return ("inert", type(value).__qualname__)
         if isinstance(value, _BY_REPR) or type(value).__module__ == "typing":
@@ -175,6 +178,18 @@ class Values:
         flat = value.reshape(-1)
         self.tensors.append(torch.from_numpy(flat.view("u1") if flat.flags.c_contiguous else flat.copy().view("u1")))
         return ("ndarray", value.shape, str(value.dtype))
+
+
+_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
+              for part in ("offload_core", "nodes"))
+
+
+def ours(value) -> bool:
+    """Whether `value` (a function or an object) is this pack's own: its hooks and patches, which compute what
+    the prefix would be anyway, are read by identity, never followed nor described by state (a registry's
+    entries change every request)."""
+    module = sys.modules.get(getattr(value, "__module__", None) or type(value).__module__)
+    return (getattr(module, "__file__", None) or "").startswith(_OURS)
 
 
 def _native(receiver) -> bool:
