@@ -32,7 +32,7 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from .codereads import MISSING as _MISSING, Reads
-from .valueprint import FUNCTIONS as _FUNCTIONS, Values, ident as _ident, ours
+from .valueprint import FUNCTIONS as _FUNCTIONS, Values, ident as _ident, ours, passive
 
 _NAMES: Dict[int, Tuple[types.CodeType, Tuple[str, ...]]] = {}  # id(code) -> (code, every name it and its nested code use)
 _TORCH_NN = "torch.nn.modules."  # torch's own module classes: their code is followed (not nn.Module's own)
@@ -153,7 +153,7 @@ class _Walk:
         is followed from then on, so what the patch wraps and reads is read too (a wrapper of a `__main__`
         patch, a package's patch that reads a flag of its own)."""
         func = getattr(value, "__func__", value)
-        if type(func) is types.FunctionType and not ours(func):
+        if type(func) is types.FunctionType and not ours(func) and not passive(func):
             package = _package(func)
             if package and package not in _LIBRARIES:
                 self._packages.add(package)

@@ -174,8 +174,9 @@ def _global_hooks() -> Iterable[object]:
 
 
 def passive(hook):
-    """Declares that `hook` (a function or bound method, before it is registered) never changes what its module
-    computes — it only observes (logging, timing, progress) — so a reuse key may leave it out. Returns `hook`."""
+    """Declares that `hook` (a function or bound method, before it is registered or installed) never changes what
+    its module computes — it only observes (logging, timing, progress, a counter) — so a reuse key may leave it
+    out, and does not follow what it reads. Returns `hook`."""
     getattr(hook, "__func__", hook)._kv_offload_passive = True
     return hook
 

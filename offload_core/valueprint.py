@@ -121,7 +121,9 @@ class Values:
         if isinstance(value, property):
             return ("property", *(self.describe(f, where) for f in (value.fget, value.fset) if f is not None))
         if isinstance(value, (type, types.FunctionType, types.CodeType)):
-            if self._follow is not None and not isinstance(value, types.CodeType) and not ours(value):
+            if ours(value):  # made anew for each run (a closure, a bound patch): by name, never followed
+                return ("ours", getattr(value, "__qualname__", "?"))
+            if self._follow is not None and not isinstance(value, types.CodeType) and not passive(value):
                 self._follow(value)
             return ident(value)
         if id(value) in self._tree:
@@ -158,7 +160,7 @@ class Values:
                 return ("function", head)
             return ("bound", head, self.describe(receiver, f"{where}.__self__"))
         if ours(value):
-            return ("ours", type(value).__qualname__, serial(value))
+            return ("ours", type(value).__qualname__)
         if isinstance(value, _INERT) or type(value).__module__ == "_abc":
             return ("inert", type(value).__qualname__)
         if isinstance(value, _BY_REPR) or type(value).__module__ == "typing":
@@ -186,10 +188,16 @@ _OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 def ours(value) -> bool:
     """Whether `value` (a function or an object) is this pack's own: its hooks and patches, which compute what
-    the prefix would be anyway, are read by identity, never followed nor described by state (a registry's
-    entries change every request)."""
+    the prefix would be anyway, are read by name only, never followed nor described by state (they are made
+    anew for each run, and a registry's entries change every request)."""
     module = sys.modules.get(getattr(value, "__module__", None) or type(value).__module__)
     return (getattr(module, "__file__", None) or "").startswith(_OURS)
+
+
+def passive(value) -> bool:
+    """Declared passive (`fingerprint.passive`): it only observes (a counter, a timer), so what it reads is not
+    followed; it is recorded by identity."""
+    return getattr(value, "_kv_offload_passive", False) is True
 
 
 def _native(receiver) -> bool:
