@@ -89,7 +89,12 @@ def model_state(module: torch.nn.Module, compute_device: torch.device,
     start = time.perf_counter()
     tensors = list(module.named_parameters()) + list(module.named_buffers())
     _check_placement(tensors, compute_device)
-    tree, state_tensors = _module_tree(module, own)
+    try:
+        tree, state_tensors = _module_tree(module, own)
+    except Unkeyable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an attribute that refuses to be looked at: refuse, never crash
+        raise Unkeyable(f"the module tree's state could not be read ({type(exc).__name__}: {exc})") from exc
     code, code_tensors = _code(module)
     identity = (id(module), type(module).__qualname__, torch_state(compute_device),
                 tuple((name, tuple(t.shape), str(t.dtype)) for name, t in tensors), tree, code,

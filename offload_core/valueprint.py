@@ -190,8 +190,11 @@ def ours(value) -> bool:
     """Whether `value` (a function or an object) is this pack's own: its hooks and patches, which compute what
     the prefix would be anyway, are read by name only, never followed nor described by state (they are made
     anew for each run, and a registry's entries change every request)."""
-    module = sys.modules.get(getattr(value, "__module__", None) or type(value).__module__)
-    return (getattr(module, "__file__", None) or "").startswith(_OURS)
+    try:
+        name = getattr(value, "__module__", None) or type(value).__module__
+    except Exception:  # noqa: BLE001 - an object whose attributes raise is not ours
+        return False
+    return (getattr(sys.modules.get(name), "__file__", None) or "").startswith(_OURS)
 
 
 def passive(value) -> bool:

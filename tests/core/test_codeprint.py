@@ -302,3 +302,18 @@ def test_torch_s_own_module_code_is_followed_into_the_functions_it_calls():
         F.layer_norm = lambda *a, **k: layer_norm(*a, **k) * 2  # nn.LayerNorm.forward calls F.layer_norm
         return lambda: setattr(F, "layer_norm", layer_norm)
     assert changes(apply) == (True, True)
+
+
+def test_an_attribute_that_raises_when_looked_at_refuses_instead_of_failing_the_request():
+    import pytest
+
+    from offload_core.fingerprint import Unkeyable, model_state
+
+    class Hostile:
+        def __getattribute__(self, name):
+            raise RuntimeError("do not look at me")
+
+    model = Block()
+    model.__dict__["thing"] = Hostile()  # nn.Module.__setattr__ would look at it first
+    with pytest.raises(Unkeyable, match="could not be read"):
+        model_state(model, torch.device("cpu"))
