@@ -11,7 +11,9 @@ a value into a plain hashable description:
   objects with a `__dict__` (callable objects, configuration objects) by type and state;
 - functions and classes by identity (a serial number, held weakly), handed to `follow` (the code walk reads
   their code in turn); modules by name; `os.environ` (and `os.getenv`, which reads it) by the whole environment;
-- a module of the model's own tree by identity (its state is read on its own);
+- a module of the model's own tree by identity (its state is read on its own); torch's own objects (an op, a
+  schema) by identity, like torch's code; this pack's own hooks and patches by name; a function declared
+  `passive` by identity, not followed;
 - objects that cannot change what is computed (loggers, locks) by type. Anything else raises `Unkeyable`.
 
 With `reads` (`codereads.Reads`), every mutable container read is registered, so the next request can tell by
