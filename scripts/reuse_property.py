@@ -4,7 +4,9 @@
 
 Random requests on both built-in diffusers pipelines, each after a random change that may alter the prefix
 (a weight edited through `.data`, hooks, diffusers' hook registry, processor and module state, the attention
-backend, torch's matmul precision) or a change of inputs, each output compared bit for bit with the same
+backend, torch's matmul precision; with a scene of `tests/diffusers/valuechanges.py` in force, the values a
+forward reads: defaults, partials, callable objects, bound methods, closure cells, globals, module attributes,
+the environment) or a change of inputs, each output compared bit for bit with the same
 request served without reuse; then the same on the in-process Qwen-Image 2.1 node model (storage, ComfyUI's
 cache dtype, model options, weights). Prints the counts; exits 1 on any stale hit.
 """
@@ -31,11 +33,16 @@ def main() -> int:
 
     torch.set_num_threads(1)
     images = models.condition_images(2)
-    results = {
-        "qwen_image_21": property_run(models.qwen21_pipeline(), images, args.requests, args.seed),
-        "flux2_klein_kv": property_run(models.flux2_klein_kv_pipeline(), images, args.requests, args.seed),
+    results = {}
+    for scene in ("", "partials", "objects"):  # the plain pipeline, then each scene of value changes
+        suffix = f" ({scene})" if scene else ""
+        results["qwen_image_21" + suffix] = property_run(models.qwen21_pipeline(), images, args.requests, args.seed,
+                                                         scene_name=scene)
+        results["flux2_klein_kv" + suffix] = property_run(models.flux2_klein_kv_pipeline(), images, args.requests,
+                                                          args.seed, scene_name=scene)
+    results.update({
         "comfyui_node_qwen_image_21": node_property_run(args.requests, args.seed),
-    }
+    })
     print(json.dumps(results, indent=1))
     return 1 if any(r["stale"] or r["wrong"] for r in results.values()) else 0
 

@@ -11,7 +11,7 @@ from ..reuse.registry import PrefixRegistry
 from ..reuse.budget import parse_budget
 from . import flux2, qwenimage21
 from .keys import ours
-from .pipeguard import session_of
+from .pipeguard import CALLING, session_of
 from .session import OffloadSession, make_config
 
 logger = logging.getLogger(__name__)
@@ -114,9 +114,15 @@ def _check_reuse(reuse, reuse_budget) -> dict:
 
 
 def disable_kv_offload(pipe) -> None:
-    """Close any live store, remove every hook and guard, and give the pipeline back as it was. Idempotent."""
+    """Close any live store, remove every hook and guard, and give the pipeline back as it was. Idempotent.
+    Called during the pipeline's own call (from `callback_on_step_end`), it takes effect when that call returns:
+    the call's later steps still read its caches."""
     session = session_of(pipe)
     if session is None:
+        return
+    if getattr(CALLING, "session", None) is session:  # from inside the running call (a step callback)
+        session.detach_after_call = True  # its later steps still read the caches: undone when the call ends
+        logger.info("KV offload on %s is disabled when the running call returns", type(pipe).__name__)
         return
     session.detach()
     logger.info("KV offload disabled on %s", type(pipe).__name__)

@@ -3,9 +3,7 @@ which a hit is proven to give a fresh request's bits (the rest is `offload_core.
 
 from __future__ import annotations
 
-import torch
-
-from ..reuse.fingerprint import Unkeyable
+from ..reuse.fingerprint import Unkeyable, reduced_matmul_precision
 
 
 def ours(hook):
@@ -29,10 +27,10 @@ def check_numerics(transformer) -> None:
     although the prefix is the same. Found by the property run (tests/diffusers/reuse_property.py)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-    precision = torch.get_float32_matmul_precision()
-    if precision != "highest":
-        raise Unkeyable(f"float32 matmuls run at precision {precision!r}, under which a hit is not proven to give "
-                        "the same bits as a fresh request (set torch.set_float32_matmul_precision('highest'))")
+    precision = reduced_matmul_precision()
+    if precision is not None:
+        raise Unkeyable(f"float32 matmuls run at reduced precision ({precision}), under which a hit is not proven to "
+                        "give the same bits as a fresh request (set it back to full precision)")
     names = {str(getattr(_AttentionBackendRegistry.get_active_backend()[0], "value", "?"))}
     names |= {str(getattr(m.processor._attention_backend, "value", m.processor._attention_backend))
               for m in transformer.modules()

@@ -33,16 +33,20 @@ def guarded_class(cls: type) -> type:
             previous = getattr(CALLING, "session", None)
             CALLING.session = session
             try:
-                result = cls.__call__(self, *args, **kwargs)
-            except BaseException:
+                try:
+                    result = cls.__call__(self, *args, **kwargs)
+                except BaseException:
+                    if session is not None:
+                        session.end_request(raise_errors=False)
+                    raise
+                finally:
+                    CALLING.session = previous
                 if session is not None:
-                    session.end_request(raise_errors=False)
-                raise
+                    session.end_request()
+                return result
             finally:
-                CALLING.session = previous
-            if session is not None:
-                session.end_request()
-            return result
+                if session is not None and session.detach_after_call and previous is not session:
+                    session.detach()  # `disable_kv_offload` was called during the call
 
         def __reduce_ex__(self, protocol):
             # An enabled pipeline carries hooks, open stores and a wrapped VAE bound to this process: a copy
@@ -87,3 +91,21 @@ def unguard_decode(vae, session) -> None:
         object.__delattr__(vae, "decode")
     else:
         object.__setattr__(vae, "decode", previous)
+
+
+def guard_copy(transformer, session) -> None:
+    """Refuses pickling and copying the transformer while the adapter's hooks are on it: a copy would carry them
+    (and their stores) and keep them after `disable_kv_offload`. Instance attributes: `del` restores it."""
+    def refuse(*args):
+        raise TypeError(f"{type(transformer).__name__} carries KV offload's hooks and cannot be pickled or copied; "
+                        "call disable_kv_offload(pipe) first and enable it again on the copy.")
+
+    refuse._kv_offload_session = session
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        object.__setattr__(transformer, name, refuse)
+
+
+def unguard_copy(transformer, session) -> None:
+    for name in ("__deepcopy__", "__reduce_ex__"):
+        if getattr(transformer.__dict__.get(name), "_kv_offload_session", None) is session:
+            object.__delattr__(transformer, name)

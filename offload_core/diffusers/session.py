@@ -30,7 +30,7 @@ from ..reuse.registry import PrefixRegistry
 from ..reuse.cost import ReuseCost, StepTimes
 from .closing import close_or_keep, give_back, log_summary, raise_first
 from .keys import attention_backend, check_numerics, is_ours
-from .pipeguard import CALLING, SESSION_ATTR, guard_decode, guarded_class, unguard_decode
+from .pipeguard import CALLING, SESSION_ATTR, guard_copy, guard_decode, guarded_class, unguard_copy, unguard_decode
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,7 @@ class OffloadSession:
         self._scope = None  # (transformer, prefix layout) of this request's key, once read
         self._hit = False
         self._key_s = 0.0
+        self.detach_after_call = False  # `disable_kv_offload` was called during this pipeline's call
 
     # -- stores --------------------------------------------------------------------------------------------
     def open_store(self, device: torch.device, expected_bytes: int | None, key: PrefixKey | None = None) -> KVStore:
@@ -228,6 +229,7 @@ class OffloadSession:
         pipe = self.pipe
         object.__setattr__(pipe, SESSION_ATTR, self)
         object.__setattr__(pipe, "__class__", guarded_class(type(pipe)))
+        guard_copy(pipe.transformer, self)
         vae = getattr(pipe, "vae", None)
         if vae is not None:
             guard_decode(vae, self)
@@ -245,6 +247,7 @@ class OffloadSession:
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
+            unguard_copy(self.pipe.transformer, self)
             if self._decode_owner is not None:
                 unguard_decode(self._decode_owner, self)
                 self._decode_owner = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,14 @@ def env_int(name: str, default: int, low: int, high: int) -> int:
     return value
 
 
+# The longest wait a seconds variable may ask for: the engine multiplies a timeout by small factors (a load spans
+# several file operations) and hands it to Python's lock waits, which refuse anything above TIMEOUT_MAX.
+LONGEST_S = float(int(threading.TIMEOUT_MAX / 1000))
+
+
 def env_seconds(name: str, default: float) -> float:
-    """`name` as a number of seconds > 0 (finite); `default` when unset or not such a number."""
+    """`name` as a number of seconds > 0 (finite); `default` when unset or not such a number, `LONGEST_S` (about
+    three months) when above it."""
     text = _text(name)
     if text is None:
         return default
@@ -40,6 +47,8 @@ def env_seconds(name: str, default: float) -> float:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         return _refused(name, text, "a finite number of seconds > 0", default, "the default")
+    if value > LONGEST_S:
+        return _refused(name, text, f"a number of seconds up to {LONGEST_S:g}", LONGEST_S, "the nearest allowed")
     return value
 
 

@@ -1,30 +1,30 @@
-"""The code a model's forward can reach, as a reuse key can see it: a class patched, a module function replaced,
-an attention backend registered under another function, an attribute that holds another function.
+"""The code a model's forward can reach and the values that code reads, as a reuse key can see them: a class
+patched, a module function replaced, a backend registered under another function or partial, a default, a
+closure cell, a global or a module attribute changed, an environment variable set.
 
 A key can never list all code, so it follows the code from the model itself: every method of every class in the
-module tree (their whole MRO) and of each attention processor's class, every function-valued attribute of a
-module, and, from each of those functions, whatever its bytecode names in its globals and its closure — module
-functions, classes and their class-level state (diffusers' attention backend registry is a class holding a dict
-of functions), and, through a module it names (`F`, `torch`), the attributes of that module its code names
-(`F.scaled_dot_product_attention`). Every function reached is recorded by identity and by its code object, and
-functions of the project's own packages are followed further; torch's and the standard library's are recorded,
-not followed (a patch of them replaces the object a model's code names, which the identity shows).
+module tree (their whole MRO; torch's own module classes too, whose `forward` calls `F.layer_norm`) and of each
+attention processor's class, every callable attribute of a module, and, from each of those functions, whatever
+its bytecode names in its globals and its closure, its defaults, and, through a module it names (`F`, `torch`,
+a settings module), the attributes of that module its code names. Each value found is described by
+`valueprint.Values`: functions and classes by identity (and followed further when they belong to the project's
+own packages or `__main__`; torch's and the standard library's are recorded, not followed), everything else by
+content — containers by their items, partials by function and arguments, callable objects by type and state,
+tensors by content (returned beside the identity for the content digest), the environment where code reads it.
+A value it cannot read raises `Unkeyable`: reuse is off for that request.
 
-Identities are serial numbers given to each object when first seen and held in weak dictionaries, so a new object
-at a dead one's address gets a new number and no model is kept alive by its key; objects that cannot be weakly
-referenced (builtin functions, code objects) are module-level and kept as they are. The walk reads dictionaries
-only (no call, no import), whatever the size of the weights.
-
-A walk is a function of what it read, so each model's last walk is kept with what it read (`codereads.Reads`) and
-its roots (the classes of the module tree and of its processors, the function-valued attributes). The next
-request compares those by identity and walks again only when one differs: the same answer as a walk at a tenth
-of its cost (`tests/core/test_codeprint.py` compares the two after every kind of change).
+A walk is a function of what it read, so each model's last walk is kept with what it read (`codereads.Reads`:
+every mapping, list and set, by the identity of each item) and its roots (the classes of the module tree and of
+its processors, the callable attributes). The next request compares those by identity and walks again only when
+one differs: the same answer as a walk at a tenth of its cost (`tests/core/test_codeprint.py` compares the two
+after every kind of change). The tensors read are digested every request: an in-place write changes no identity.
 """
 
 from __future__ import annotations
 
 import builtins
-import itertools
+import functools
+import sys
 import types
 import weakref
 from typing import Dict, List, Set, Tuple
@@ -32,14 +32,10 @@ from typing import Dict, List, Set, Tuple
 import torch
 
 from .codereads import MISSING as _MISSING, Reads
+from .valueprint import FUNCTIONS as _FUNCTIONS, Values, ident as _ident, ours, passive
 
-_SERIALS: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-_KEEP: Dict[int, Tuple[object, int]] = {}  # id -> (object, serial) for what cannot be weakly referenced
-_NEXT = itertools.count(1)
 _NAMES: Dict[int, Tuple[types.CodeType, Tuple[str, ...]]] = {}  # id(code) -> (code, every name it and its nested code use)
-_PLAIN = (bool, int, float, str, bytes, type(None))
-_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.BuiltinMethodType,
-              types.WrapperDescriptorType, types.MethodWrapperType, types.MethodDescriptorType)
+_TORCH_NN = "torch.nn.modules."  # torch's own module classes: their code is followed (not nn.Module's own)
 
 
 # model -> (its roots, what its last walk read, the identity it gave); weak both ways: no model is kept alive
@@ -49,28 +45,36 @@ _LAST: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDict
 def code_identity(model: torch.nn.Module, *, fresh: bool = False) -> tuple:
     """A hashable description of the code `model`'s forward can reach now (see the module docstring); `fresh`
     walks even when nothing the last walk read has changed."""
+    return code_reads(model, fresh=fresh)[0]
+
+
+def code_reads(model: torch.nn.Module, *, fresh: bool = False) -> Tuple[tuple, List[torch.Tensor]]:
+    """`(code_identity, tensors)`: the tensors the code reads (globals, closure cells, defaults), to be compared
+    by content every request. Raises `Unkeyable` for a value the key cannot read."""
     subs = list(model.modules())
     roots = tuple(_roots(sub) for sub in subs)
     last = _LAST.get(model)
     if not fresh and last is not None and _same_roots(last[0], roots) and last[1].unchanged():
-        return last[2]
-    walk = _Walk({_package(type(sub)) for sub in subs} - {"torch"} | {"__main__"})
+        return last[2], last[3]
+    walk = _Walk({_package(type(sub)) for sub in subs} - {"torch"} | {"__main__"}, frozenset(map(id, subs)))
     for cls, processor, functions in roots:
         walk.klass(cls)
         if processor is not None:
             walk.klass(processor)
         for name, value in functions:
-            walk.record(("attribute", cls.__qualname__, name), value)
+            walk.value(("attribute", cls.__qualname__, name), value)
     identity = tuple(walk.out)
     _LAST[model] = (tuple((cls, processor, _weak(functions)) for cls, processor, functions in roots),
-                    walk.reads.done(), identity)
-    return identity
+                    walk.reads.done(), identity, walk.values.tensors)
+    return identity, walk.values.tensors
 
 
 def _roots(sub: torch.nn.Module) -> tuple:
-    """Where a walk starts from `sub`: its class, its processor's class, its function-valued attributes."""
+    """Where a walk starts from `sub`: its class, its processor's class, its callable attributes (functions,
+    partials, bound methods, callable objects)."""
     processor = getattr(sub, "processor", None)
-    functions = tuple((name, value) for name, value in vars(sub).items() if _is_function(value))
+    functions = tuple((name, value) for name, value in vars(sub).items()
+                      if callable(value) and not isinstance(value, torch.nn.Module))
     return type(sub), None if processor is None else type(processor), functions
 
 
@@ -96,36 +100,6 @@ def _same_roots(kept: tuple, roots: tuple) -> bool:
     return True
 
 
-def _is_function(value) -> bool:
-    return isinstance(value, _FUNCTIONS) or isinstance(value, (staticmethod, classmethod, property))
-
-
-def _ident(value) -> tuple:
-    """What an identity records of `value`: plain values as they are, functions, classes and code by identity."""
-    if isinstance(value, _PLAIN):
-        return ("value", repr(value))
-    if isinstance(value, types.ModuleType):
-        return ("module", value.__name__)
-    code = getattr(value, "__code__", None)
-    if code is not None:
-        return (type(value).__name__, getattr(value, "__qualname__", "?"), _serial(value), _serial(code))
-    return (type(value).__name__, getattr(value, "__qualname__", "?"), _serial(value))
-
-
-def _serial(value) -> int:
-    """The number of `value` (see the module docstring)."""
-    try:
-        number = _SERIALS.get(value)
-        if number is None:
-            number = _SERIALS[value] = next(_NEXT)
-        return number
-    except TypeError:  # not weakly referable, or not hashable
-        kept = _KEEP.get(id(value))
-        if kept is None or kept[0] is not value:
-            kept = _KEEP[id(value)] = (value, next(_NEXT))
-        return kept[1]
-
-
 def _package(value) -> str:
     return (getattr(value, "__module__", None) or "").split(".")[0]
 
@@ -145,14 +119,20 @@ def _names(code: types.CodeType) -> Tuple[str, ...]:
 
 
 class _Walk:
-    def __init__(self, packages: Set[str]) -> None:
+    def __init__(self, packages: Set[str], tree: frozenset) -> None:
         self.out: List[tuple] = []
         self._seen: Set[int] = set()
         self._packages = packages  # whose functions and classes are followed
         self._modules_seen: Set[tuple] = set()
         self.reads = Reads()
+        self.values = Values(self.follow, self.reads, tree)
 
     def _leaf(self, value) -> bool:
+        """Code not followed: torch's (but its module classes' own, `nn.LayerNorm.forward` calling
+        `F.layer_norm`), the standard library's, other packages'."""
+        module = getattr(value, "__module__", None) or ""
+        if module.startswith(_TORCH_NN) and module != _TORCH_NN + "module":
+            return False
         return _package(value) not in self._packages
 
     def record(self, where: tuple, value, follow: bool = True) -> None:
@@ -160,13 +140,31 @@ class _Walk:
         if follow:
             self.follow(value)
 
+    def value(self, where: tuple, value) -> None:
+        """A value the code reads, by content (`valueprint`); the functions and classes in it are followed."""
+        if where[0] in ("class value", "attribute"):  # a registry's entries, a module's callable attribute
+            for item in _installed(value):
+                self._adopt(item)
+        self.out.append((where, self.values.describe(value, " ".join(map(str, where)))))
+
+    def _adopt(self, value) -> None:
+        """A function installed into the model's code (a method of its classes, a registry's entry, a module's
+        attribute, a torch function replaced) from a package the walk does not follow is a patch: its package
+        is followed from then on, so what the patch wraps and reads is read too (a wrapper of a `__main__`
+        patch, a package's patch that reads a flag of its own)."""
+        func = getattr(value, "__func__", value)
+        if type(func) is types.FunctionType and not ours(func) and not passive(func):
+            package = _package(func)
+            if package and package not in _LIBRARIES:
+                self._packages.add(package)
+
     def klass(self, cls: type) -> None:
         for base in self.reads.mro(cls):
             if base is object or id(base) in self._seen:
                 continue
             self._seen.add(id(base))
             self.out.append(("class", _ident(base)))
-            leaf = self._leaf(base)  # torch's own classes (nn.Module, nn.Linear): their methods by identity alone
+            leaf = self._leaf(base)  # torch's own nn.Module, other packages' classes: methods by identity alone
             self.reads.map(vars(base))
             for name, value in sorted(vars(base).items()):
                 self._member(base, name, value, follow=not leaf)
@@ -179,54 +177,45 @@ class _Walk:
                 if part is not None:
                     self.record(("property", cls.__qualname__, name), part, follow)
         elif isinstance(value, _FUNCTIONS):
+            if follow:
+                self._adopt(value)
             self.record(("method", cls.__qualname__, name), value, follow)
-        elif not follow:
-            return
-        elif isinstance(value, _PLAIN):
-            self.out.append(("class value", cls.__qualname__, name, repr(value)))
-        elif isinstance(value, dict) and not name.startswith("__"):  # a registry: its functions by identity
-            self.reads.map(value)
-            for key, item in sorted(value.items(), key=lambda kv: repr(kv[0])):
-                if _is_function(item):
-                    self.record(("registry", cls.__qualname__, name, repr(key)), item)
+        elif follow and not (name.startswith("__") and name.endswith("__")) and name != "_abc_impl":
+            self.value(("class value", cls.__qualname__, name), value)  # a registry, a default, a table
 
     def follow(self, value) -> None:
-        """Follows a function of the project's own code into what its code names; a class into its members."""
+        """Follows a function of the project's own code into what it reads; a class into its members."""
         if isinstance(value, type):
             if not self._leaf(value):
                 self.klass(value)
             return
         func = getattr(value, "__func__", value)
-        code = getattr(func, "__code__", None)
         if type(func) is not types.FunctionType or id(func) in self._seen or self._leaf(func):
             return
         self._seen.add(id(func))
         contents = self.reads.function(func)
-        scope = getattr(func, "__globals__", {})
+        scope = func.__globals__
         self.reads.map(scope)
         self.reads.map(_BUILTINS)
-        names = _names(code)
+        names = _names(func.__code__)
+        where = func.__qualname__
         for name in names:
             target = scope.get(name, _BUILTINS.get(name, _MISSING))
             if target is _MISSING:
                 continue  # an attribute name, or a global not defined (yet)
             if isinstance(target, types.ModuleType):
                 self._module_names(target, names, depth=3)
-            elif isinstance(target, (type, *_FUNCTIONS)):
-                self.record(("global", func.__qualname__, name), target)
-            elif isinstance(target, _PLAIN):
-                self.out.append(("global value", func.__qualname__, name, repr(target)))
+            else:
+                self.value(("global", where, name), target)
         for i, content in enumerate(contents):
-            if _is_function(content) or isinstance(content, type):
-                self.record(("closure", func.__qualname__, i), content)
-            elif isinstance(content, _PLAIN):
-                self.out.append(("closure value", func.__qualname__, i, repr(content)))
-        for default in (func.__defaults__ or ()) + tuple((func.__kwdefaults__ or {}).values()):
-            if _is_function(default):
-                self.record(("default", func.__qualname__), default)
+            if isinstance(content, types.ModuleType):  # `import os` in an enclosing function
+                self._module_names(content, names, depth=3)
+            elif content is not _MISSING:
+                self.value(("closure", where, i), content)
+        self.value(("defaults", where), (func.__defaults__, func.__kwdefaults__))
 
     def _module_names(self, module: types.ModuleType, names: Tuple[str, ...], depth: int) -> None:
-        """The attributes of `module` that the code names (`F.scaled_dot_product_attention`, `torch.sigmoid`),
+        """The attributes of `module` that the code names (`F.scaled_dot_product_attention`, `mod.SCALE`),
         through its submodules the code names too (`torch.nn.functional.silu`), `depth` levels down."""
         key = (id(module), names)
         if key in self._modules_seen:
@@ -239,8 +228,19 @@ class _Walk:
             if isinstance(target, types.ModuleType):
                 if depth > 1:
                     self._module_names(target, names, depth - 1)
-            elif target is not _MISSING and isinstance(target, (type, *_FUNCTIONS)):
-                self.record(("attribute of", module.__name__, name), target)
+            elif target is not _MISSING:
+                if module.__name__.split(".")[0] == "torch":  # a torch function replaced by a patch
+                    self._adopt(target)
+                self.value(("attribute of", module.__name__, name), target)
 
 
 _BUILTINS = vars(builtins)
+_LIBRARIES = frozenset(sys.stdlib_module_names) | {"torch", "numpy"}  # never a patch: their code is not followed
+
+
+def _installed(value):
+    """The functions in a value installed into the model: itself, a partial's or a bound method's function, a
+    registry's entries."""
+    items = list(value.values()) if isinstance(value, dict) else [value]
+    for item in items:
+        yield getattr(item, "func", None) if isinstance(item, functools.partial) else item

@@ -2,7 +2,7 @@
 new walk would read the same, and so give the same answer.
 
 A walk reads mappings (class dicts, the globals of each function it follows, the modules those name, registries,
-the builtins), each class's MRO and each followed function's mutable parts (`__code__`, defaults, closure cells).
+the builtins, the state of the objects it describes), lists and sets, each class's MRO and each followed function's mutable parts (`__code__`, defaults, closure cells).
 `Reads` keeps, for each mapping, its keys in order and each value's id and type; for each function, its code,
 defaults and each cell's content the same way. The values are held so that no id can be reused while kept:
 
@@ -77,6 +77,7 @@ class Reads:
 
     def __init__(self) -> None:
         self._maps: List[Tuple[object, tuple, tuple]] = []  # (mapping, keys, held values)
+        self._items: List[Tuple[object, tuple]] = []  # (list or set, held items)
         self._mros: List[Tuple[weakref.ref, tuple]] = []
         self._functions: List[weakref.ref] = []
         self._parts: tuple = ()  # `_parts()` of the functions, held, once the walk is over (`done()`)
@@ -86,6 +87,12 @@ class Reads:
         if id(mapping) not in self._seen:
             self._seen.add(id(mapping))
             self._maps.append((mapping, tuple(mapping), _hold(tuple(mapping.values()))))
+
+    def items(self, container) -> None:
+        """A list or set whose items a walk read (a global list, a mutable default, a closure's list)."""
+        if id(container) not in self._seen:
+            self._seen.add(id(container))
+            self._items.append((container, _hold(tuple(container))))
 
     def mro(self, cls: type) -> tuple:
         self._mros.append((weakref.ref(cls), cls.__mro__))
@@ -106,6 +113,9 @@ class Reads:
     def unchanged(self) -> bool:
         for mapping, keys, held in self._maps:
             if len(mapping) != len(keys) or tuple(mapping) != keys or not _same(tuple(mapping.values()), held):
+                return False
+        for container, held in self._items:
+            if not _same(tuple(container), held):
                 return False
         for ref, mro in self._mros:
             cls = ref()

@@ -151,6 +151,11 @@ class KVStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __reduce_ex__(self, protocol):
+        # pickle, copy and multiprocessing's spawn land here: its buffers, threads and files belong to this process
+        raise TypeError(f"KVStore {self.name!r} cannot be pickled or copied: its device buffers, I/O threads and "
+                        "files belong to this process. Create a store in the other process instead.")
+
     # -- put / get -------------------------------------------------------------------------------------------
     @engine_mode
     @one_consumer

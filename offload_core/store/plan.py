@@ -10,13 +10,14 @@ Streamed layers (every place but `device`) come back through the store's ring of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from ..config import Mode
 from ..places import DEVICE, FILE, GiB, HOST_PLACES, KiB, MiB, PAGEABLE, PINNED, PLACES, WORDS
 
 RESERVE_BYTES = GiB // 2  # memory left free beside the cache for activations and other programs
+MAX_LAYERS = 1 << 20  # the most layers a plan lists (8 MiB of entries; the deepest supported model has 60)
 ASSUMED_LAYERS = 60  # when `auto` is not told the cache size: the deepest supported model (Qwen-Image-Edit)
 
 
@@ -138,7 +139,11 @@ class Figures:
 
 
 def make_plan(mode: Mode, f: Figures) -> Plan:
-    """The plan for a store in `mode` (already resolved, or `auto`)."""
+    """The plan for a store in `mode` (already resolved, or `auto`). A layer count above `MAX_LAYERS` (an
+    absurd `expected_bytes`) is planned as `MAX_LAYERS`: the plan holds one entry per layer, and the layers
+    beyond go where `Plan.place_of` puts any layer beyond the expected ones, within the same caps."""
+    if f.layers > MAX_LAYERS:
+        f = replace(f, layers=MAX_LAYERS)
     if mode is Mode.GPU:
         return Plan((DEVICE,) * f.layers, mode, stream=DEVICE, why={DEVICE: "requested"}, layer_bytes=f.layer_bytes)
     if mode is Mode.AUTO:

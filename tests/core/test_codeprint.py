@@ -58,7 +58,7 @@ def test_the_next_request_reuses_the_last_walk_only_while_nothing_it_read_change
     model = Block()
     walks = []
     real = codeprint._Walk
-    monkeypatch.setattr(codeprint, "_Walk", lambda packages: walks.append(1) or real(packages))
+    monkeypatch.setattr(codeprint, "_Walk", lambda *args: walks.append(1) or real(*args))
     code_identity(model)
     code_identity(model)
     assert len(walks) == 1  # the second request compared, it did not walk
@@ -194,7 +194,126 @@ def test_code_it_cannot_read_turns_reuse_off_instead_of_failing_the_request(monk
     def broken(model):
         raise RuntimeError("a class that refuses to be looked at")
 
-    monkeypatch.setattr(codeprint, "code_identity", broken)
-    monkeypatch.setattr("offload_core.reuse.fingerprint.code_identity", broken)
+    monkeypatch.setattr(codeprint, "code_reads", broken)
+    monkeypatch.setattr("offload_core.reuse.fingerprint.code_reads", broken)
     with pytest.raises(Unkeyable, match="could not be read .RuntimeError: a class that refuses"):
         model_state(Block(), torch.device("cpu"))
+
+
+CONFIG = {"scale": 1.0}
+TABLE = [1.0, 2.0]
+
+
+class _Scaler:
+    def __init__(self):
+        self.factor = 1.0
+
+    def __call__(self, x):
+        return x * self.factor
+
+
+def test_the_values_the_code_reads_are_seen_when_they_change_in_place():
+    """Defaults, a global dict and list changed in place, a module attribute, the environment, a partial's
+    arguments, a callable object's state, a bound method's receiver: each changes the identity, also once the
+    walk is kept, and undone gives it back (issue 51: a walk that recorded functions, not values)."""
+    import functools
+    import os
+    import types
+
+    def read(x, scale=2.0):
+        return x * scale * CONFIG["scale"] * TABLE[0] * float(os.environ.get("KV_OFFLOAD_TEST_X", "1")) * F.SCALE
+
+    F.SCALE = 1.0  # a plain attribute of a module the code names
+    scaler = _Scaler()
+    cases = {
+        "default": (lambda: setattr(read, "__defaults__", (3.0,)), lambda: setattr(read, "__defaults__", (2.0,))),
+        "global dict": (lambda: CONFIG.__setitem__("scale", 2.0), lambda: CONFIG.__setitem__("scale", 1.0)),
+        "global list": (lambda: TABLE.__setitem__(0, 5.0), lambda: TABLE.__setitem__(0, 1.0)),
+        "module attribute": (lambda: setattr(F, "SCALE", 2.0), lambda: setattr(F, "SCALE", 1.0)),
+        "environment": (lambda: os.environ.__setitem__("KV_OFFLOAD_TEST_X", "2"),
+                        lambda: os.environ.pop("KV_OFFLOAD_TEST_X")),
+        "callable state": (lambda: setattr(scaler, "factor", 2.0), lambda: setattr(scaler, "factor", 1.0)),
+    }
+    try:
+        for attribute in (functools.partial(read, scale=2.0), scaler, types.MethodType(_Scaler.__call__, scaler)):
+            for name, (apply, undo) in cases.items():
+                def change(model, apply=apply, undo=undo, attribute=attribute):
+                    model.act = attribute
+                    model.reader = read
+                    identity(model)
+                    apply()
+                    return undo
+                model = Block()
+                model.act, model.reader = attribute, read
+                before = identity(model)
+                undo = change(model)
+                during = identity(model)
+                undo()
+                if name != "callable state" or not isinstance(attribute, functools.partial):
+                    assert during != before, (name, type(attribute).__name__)
+                after = identity(model)
+                assert after == before, (name, [(x, y) for x, y in zip(before, after) if x != y][:2])
+        model = Block()
+        model.act = functools.partial(read, scale=2.0)
+        before = identity(model)
+        model.act = functools.partial(read, scale=3.0)  # another partial of the same function
+        assert identity(model) != before
+    finally:
+        del F.SCALE
+
+
+def test_a_tensor_the_code_reads_is_compared_by_content():
+    from offload_core.reuse.fingerprint import model_state
+
+    table = torch.ones(1000)
+
+    def read(x):
+        return x * table
+
+    model = Block()
+    model.reader = read
+    base = model_state(model, torch.device("cpu"))
+    table[500] = 2.0  # in place: the same object, another content (torch's repr would hide it)
+    assert model_state(model, torch.device("cpu")).identity != base.identity
+    table[500] = 1.0
+    assert model_state(model, torch.device("cpu")).identity == base.identity
+
+
+def test_a_value_the_key_cannot_read_refuses_with_the_reason():
+    import pytest
+
+    from offload_core.reuse.fingerprint import Unkeyable, model_state
+
+    class Slotted:
+        __slots__ = ("factor",)
+
+        def __call__(self, x):
+            return x
+
+    model = Block()
+    model.act = Slotted()
+    with pytest.raises(Unkeyable, match="holds a .*Slotted, which the reuse key cannot read"):
+        model_state(model, torch.device("cpu"))
+
+
+def test_torch_s_own_module_code_is_followed_into_the_functions_it_calls():
+    def apply(model):
+        layer_norm = F.layer_norm
+        F.layer_norm = lambda *a, **k: layer_norm(*a, **k) * 2  # nn.LayerNorm.forward calls F.layer_norm
+        return lambda: setattr(F, "layer_norm", layer_norm)
+    assert changes(apply) == (True, True)
+
+
+def test_an_attribute_that_raises_when_looked_at_refuses_instead_of_failing_the_request():
+    import pytest
+
+    from offload_core.reuse.fingerprint import Unkeyable, model_state
+
+    class Hostile:
+        def __getattribute__(self, name):
+            raise RuntimeError("do not look at me")
+
+    model = Block()
+    model.__dict__["thing"] = Hostile()  # nn.Module.__setattr__ would look at it first
+    with pytest.raises(Unkeyable, match="could not be read"):
+        model_state(model, torch.device("cpu"))

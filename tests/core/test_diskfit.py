@@ -253,3 +253,46 @@ def test_an_interrupt_inside_the_probe_leaves_no_file_thread_or_directory(call, 
     with KVStore(OffloadConfig(mode="file_sync", file_dir=str(tmp_path)), "cpu") as again:  # nothing was remembered
         again.put(0, torch.ones(8), torch.ones(8))
         assert again.stats()["file_io"]["chosen"] == "probe"
+
+
+def _probe_descriptors():
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if ".io-probe-" in os.readlink(f"/proc/self/fd/{fd}"):
+                out.append(fd)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors through /proc")
+def test_a_probe_that_timed_out_closes_its_file_when_the_stuck_request_returns_and_is_not_repeated(
+        tmp_path, probing, monkeypatch):
+    """A probe read stuck in the kernel: the probe gives up after the I/O timeout and kept its descriptor "for the
+    stuck request" forever, and every new file store probed again, one more descriptor on a deleted file each."""
+    mode = _direct_mode(tmp_path)
+    monkeypatch.setattr(diskfit, "CANDIDATES", SMALL[:1])
+    monkeypatch.setattr(diskfit, "PROBE_BYTES", 2 * MiB)
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.2)  # the stuck read below never returns before it is released
+    release, probes = threading.Event(), []
+    real_read, real_probe = fileio.pread_exact, diskfit.probe
+
+    def stuck_read(*args):
+        release.wait()
+        return real_read(*args)
+
+    def counted_probe(*args, **kwargs):
+        probes.append(1)
+        return real_probe(*args, **kwargs)
+
+    monkeypatch.setattr(fileio, "pread_exact", stuck_read)
+    monkeypatch.setattr(diskfit, "probe", counted_probe)
+    before = _probe_descriptors()
+    fit = diskfit.pattern_for(str(tmp_path), mode, None)
+    assert fit.chosen == "default" and "did not finish" in fit.reason
+    assert diskfit.pattern_for(str(tmp_path), mode, None) is fit and probes == [1]  # not probed again
+    release.set()  # the stuck request returns
+    for thread in [t for t in threading.enumerate() if t.name == "kv_offload_probe_release"]:
+        thread.join()
+    assert _probe_descriptors() == before

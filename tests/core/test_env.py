@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from offload_core.host.env import env_int, env_seconds
+from offload_core.host.env import LONGEST_S, env_int, env_seconds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,6 +71,19 @@ def test_the_engine_reads_its_variables_through_the_checks():
     assert "KV_OFFLOAD_IO_DEPTH='banana' is not a whole number from 1 to 64; using 4, the default." in errors
     assert "KV_OFFLOAD_IO_REQUEST_MIB='0' is not a whole number from 1 to 256; using 1, the nearest allowed." in errors
     assert "KV_OFFLOAD_IO_TIMEOUT_S='-3' is not a finite number of seconds > 0; using 120.0, the default." in errors
+    # Too long for Python's lock waits (a load waits five file operations): the longest allowed, with a warning.
+    values, errors = _engine_reads(KV_OFFLOAD_IO_TIMEOUT_S="2e9")
+    assert float(values[2]) == LONGEST_S and float(values[3]) == 5 * LONGEST_S
+    assert f"KV_OFFLOAD_IO_TIMEOUT_S='2e9' is not a number of seconds up to {LONGEST_S:g}; using {LONGEST_S}" in errors
     # A good timeout bounds the consumer's wait for a load too (five file operations in a row at most).
     values, errors = _engine_reads(KV_OFFLOAD_IO_DEPTH="8", KV_OFFLOAD_IO_TIMEOUT_S="2")
     assert values == ["8", "8", "2.0", "10.0"] and errors == ""
+
+
+def test_the_longest_timeout_fits_every_lock_wait_it_is_used_for():
+    import threading
+
+    from offload_core.tiers.file import iopool
+
+    assert LONGEST_S * iopool.LOAD_STEPS < threading.TIMEOUT_MAX
+    threading.Lock().acquire(timeout=LONGEST_S * iopool.LOAD_STEPS)  # free: returns at once, no OverflowError

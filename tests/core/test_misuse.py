@@ -247,3 +247,16 @@ def test_engine_calls_run_outside_inference_mode_and_autograd_whatever_the_calle
         before = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
         assert inside() == (False, False, False)
         assert (torch.is_inference_mode_enabled(), torch.is_grad_enabled()) == before
+
+
+@pytest.mark.parametrize("mode", ["ram_sync", "file_sync"])
+def test_pickling_or_copying_an_open_store_is_refused_naming_it(mode, tmp_path):
+    """Spawning a process with an open store was refused by "cannot pickle '_thread.lock' object", naming no
+    store."""
+    import copy
+    import pickle
+
+    with KVStore(config_for(mode, tmp_path), torch.device("cpu"), name="cond") as store:
+        for attempt in (pickle.dumps, copy.deepcopy, copy.copy):
+            with pytest.raises(TypeError, match="KVStore 'cond' cannot be pickled or copied"):
+                attempt(store)

@@ -115,3 +115,19 @@ def test_auto_honours_a_device_budget_below_the_free_vram():
 def test_zero_budgets_keep_nothing_there():
     plan = make_plan(Mode.RAM_SYNC, figures(device_budget=0, host_budget=0))
     assert plan.counts() == {DEVICE: 0, PINNED: 0, PAGEABLE: 0, FILE: 32}
+
+
+@pytest.mark.parametrize("mode", ["auto", "ram_sync", "gpu"])
+def test_an_absurd_expected_size_plans_a_bounded_list_within_the_same_caps(mode):
+    """`KVStore(expected_bytes=2**63 - 1)` in `auto` built one plan entry per expected layer: MemoryError."""
+    import torch
+
+    from offload_core import KVStore, OffloadConfig
+
+    budget = {} if mode == "gpu" else {"host_budget": 1 * MiB}
+    with KVStore(OffloadConfig(mode=mode, **budget), torch.device("cpu"),
+                 expected_bytes=2 ** 63 - 1) as store:
+        k = torch.arange(64, dtype=torch.float32).view(1, 4, 16)
+        store.put(0, k, k + 1)
+        got_k, got_v = store.get(0)
+        assert torch.equal(got_k, k) and torch.equal(got_v, k + 1)

@@ -11,6 +11,7 @@ from offload_core.bench import models
 from offload_core.diffusers import disable_kv_offload, enable_kv_offload
 
 from changes import CHANGES
+from valuechanges import scene
 
 BIG = {"device": 1 << 30, "host": 1 << 30, "file": 1 << 30}
 
@@ -21,9 +22,12 @@ def _run(pipe, image, seed, prompt):
     return pipe(**args).images
 
 
-def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync") -> dict:
-    """Counts: requests, hits, stale (a hit that differs), wrong (a miss that differs), refused, per change."""
+def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync", scene_name: str = "") -> dict:
+    """Counts: requests, hits, stale (a hit that differs), wrong (a miss that differs), refused, per change.
+    `scene_name`: a scene of `valuechanges.SCENES` in force for the run, whose value changes join the draw."""
     rng = random.Random(seed)
+    undo_scene, value_changes, excluded = scene(pipe, scene_name) if scene_name else (lambda: None, {}, set())
+    catalogue = {**{n: c for n, c in CHANGES.items() if n not in excluded}, **value_changes}
     session = enable_kv_offload(pipe, mode, reuse_budget=BIG, reuse="always")
     active: dict = {}
     counts = {"requests": 0, "hits": 0, "stale": 0, "wrong": 0, "refused": 0, "changes": {}}
@@ -38,12 +42,12 @@ def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync")
             elif active and rng.random() < 0.5:
                 change = rng.choice(sorted(active))
             else:
-                change = rng.choice([*CHANGES, "image", "prompt"])
+                change = rng.choice([*catalogue, "image", "prompt"])
             counts["changes"][change] = counts["changes"].get(change, 0) + 1
-            if change in CHANGES:  # toggled: applied if off, undone if on
+            if change in catalogue:  # toggled: applied if off, undone if on
                 undo = active.pop(change, None)
                 if undo is None:
-                    active[change] = CHANGES[change](pipe)
+                    active[change] = catalogue[change](pipe)
                 else:
                     undo()
             elif change == "seed":
@@ -75,4 +79,5 @@ def property_run(pipe, images, requests: int, seed: int, mode: str = "ram_sync")
         for undo in active.values():
             undo()
         disable_kv_offload(pipe)
+        undo_scene()
     return counts

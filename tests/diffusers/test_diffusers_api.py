@@ -110,6 +110,35 @@ def test_an_enabled_pipeline_refuses_to_be_copied_and_is_copyable_again_after_di
         for attempt in (pickle.dumps, copy.deepcopy, copy.copy):
             with pytest.raises(TypeError, match=r"disable_kv_offload\(pipe\) first"):
                 attempt(flux_pipe)
+        for attempt in (pickle.dumps, copy.deepcopy):  # the transformer alone would carry the hooks along
+            with pytest.raises(TypeError, match=r"Flux2Transformer2DModel carries KV offload's hooks"):
+                attempt(flux_pipe.transformer)
     finally:
         disable_kv_offload(flux_pipe)
     assert type(copy.copy(flux_pipe)) is type(flux_pipe)
+    copied = copy.deepcopy(flux_pipe.transformer)
+    assert _hooks(copied) == _hooks(flux_pipe.transformer) and "__deepcopy__" not in vars(copied)
+
+
+@pytest.mark.parametrize("which", ["qwen_pipe", "flux_pipe"])
+def test_disable_from_a_step_callback_takes_effect_when_the_call_returns(request, which, images):
+    """`disable_kv_offload(pipe)` from `callback_on_step_end` broke the running call with an unrelated message
+    ("KV cache has not been populated yet." / "store 'cond' is closed"): now the call finishes, exact, and the
+    pipeline is given back as it was once it returns."""
+    from offload_core.diffusers.pipeguard import session_of
+
+    pipe = request.getfixturevalue(which)
+    reference = models.run_pipeline(pipe, images[:1], steps=3, resolution=RES)
+    before = _snapshot(pipe)
+    enable_kv_offload(pipe, "ram_sync")
+    seen = []
+
+    def disable_now(pipeline, step, timestep, kwargs):
+        seen.append(step)
+        disable_kv_offload(pipeline)
+        return {}
+
+    args = models.call_kwargs(pipe, images[:1], steps=3, resolution=RES)
+    out = pipe(**args, callback_on_step_end=disable_now).images
+    assert seen == [0, 1, 2] and np.array_equal(out, reference)
+    assert session_of(pipe) is None and type(pipe) is before["class"] and _hooks(pipe.transformer) == before["hooks"]

@@ -81,3 +81,38 @@ def test_qwen21_io_error_writing_the_last_layer_in_the_background_recomputes(mod
     assert np.abs(np.asarray(out, dtype=np.float32) - np.asarray(reference, dtype=np.float32)).max() < 2e-2
     assert files_under(tmp_path) == []
     disable_kv_offload(qwen_pipe)
+
+
+@pytest.mark.parametrize("which", ["qwen", "flux"])
+def test_a_cache_folder_turned_read_only_between_requests_falls_back_and_names_it(which, qwen_pipe, flux_pipe, images,
+                                                                                tmp_path, monkeypatch, caplog):
+    """An ext4 remounted read-only after an error (or `chattr +i`) between two requests: the run directory's
+    `mkdir` raised a bare OSError from inside the pipeline call. Now the request falls back as on a full disk,
+    names the folder, and the next request, the folder writable again, is exact."""
+    import errno
+
+    from offload_core.tiers.file import fileowner
+
+    pipe = qwen_pipe if which == "qwen" else flux_pipe
+    kwargs = {"cfg": True} if which == "qwen" else {}
+    reference = models.run_pipeline(pipe, images[1:], steps=STEPS, resolution=RES, **kwargs)
+    session = enable_kv_offload(pipe, "file_sync", file_dir=str(tmp_path))
+    first = models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, **kwargs)  # kept for reuse
+
+    def read_only(parent, prefix, names):
+        raise OSError(errno.EROFS, "Read-only file system", parent)
+
+    monkeypatch.setattr(fileowner, "_make_dir", read_only)
+    with caplog.at_level("WARNING", logger="offload_core.diffusers.session"):
+        out = models.run_pipeline(pipe, images[1:], steps=STEPS, resolution=RES, **kwargs)  # a new prefix
+    fallbacks = [s.get("fallback") for s in session.last_stats if s.get("fallback")]
+    assert fallbacks and all("EROFS" in f and str(tmp_path) in f for f in fallbacks), session.last_stats
+    if which == "flux":
+        assert np.array_equal(out, reference)  # the upstream cache on the device, bit for bit
+    else:  # recomputed: equal up to float rounding
+        assert np.abs(np.asarray(out, dtype=np.float32) - np.asarray(reference, dtype=np.float32)).max() < 2e-2
+    monkeypatch.undo()
+    assert np.array_equal(models.run_pipeline(pipe, images[:1], steps=STEPS, resolution=RES, **kwargs), first)
+    assert np.array_equal(models.run_pipeline(pipe, images[1:], steps=STEPS, resolution=RES, **kwargs), reference)
+    disable_kv_offload(pipe)
+    assert files_under(tmp_path) == []

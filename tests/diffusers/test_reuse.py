@@ -250,3 +250,19 @@ def test_a_real_lora_load_fuse_unfuse_and_unload_is_never_served_stale(images):
     assert not np.array_equal(outputs["loaded"], base)
     assert not np.array_equal(outputs["fused again, then unloaded"], base)  # the fused delta stayed in the weights
     disable_kv_offload(pipe)
+
+
+@pytest.mark.parametrize("which", ["qwen", "flux"])
+def test_a_new_pipeline_s_first_request_is_hit_by_the_second(which, images):
+    """A pipeline's first call adds diffusers' (empty) hook registry to the transformer: the key read it as an
+    attribute, so the first request's entry could never be hit and held budget until evicted."""
+    pipe = models.qwen21_pipeline() if which == "qwen" else models.flux2_klein_kv_pipeline()
+    session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
+    def call():
+        return pipe(**models.call_kwargs(pipe, images[:1], steps=2, resolution=64, seed=0, cfg=False)).images
+
+    first = call()
+    assert np.array_equal(call(), first)
+    stats = session.reuse.stats()
+    assert stats["hits"] == 1 and stats["entries"] == 1, stats
+    disable_kv_offload(pipe)

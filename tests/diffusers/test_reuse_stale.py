@@ -127,3 +127,21 @@ def test_a_peft_lora_b_edited_through_data_is_a_miss(images):
     assert session.reuse.stats()["hits"] == 0
     disable_kv_offload(pipe)
     assert np.array_equal(out, _run(pipe, images[:1]))
+
+
+@pytest.mark.parametrize("which", ["qwen", "flux"])
+def test_the_new_precision_api_set_to_bf16_runs_every_call_as_reuse_off_does(which, qwen_pipe, flux_pipe, images):
+    """`torch.backends.mkldnn.matmul.fp32_precision = "bf16"` made torch's legacy getter raise inside the key:
+    every call failed. Now each call runs, refused (reduced precision), and equals the same call without reuse."""
+    pipe = qwen_pipe if which == "qwen" else flux_pipe
+    saved = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        enable_kv_offload(pipe, "ram_sync", reuse=False)
+        reference = _run(pipe, images[:1])
+        session = enable_kv_offload(pipe, "ram_sync", reuse_budget=BIG, reuse="always")
+        for _ in range(2):
+            assert np.array_equal(_run(pipe, images[:1]), reference)
+            assert all("mkldnn.matmul.fp32_precision" in s["reuse_refused"] for s in session.last_stats)
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = saved

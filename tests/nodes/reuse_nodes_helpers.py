@@ -6,7 +6,7 @@ import torch
 from kv_offload_pack.nodes.apply import apply_offload
 from kv_offload_pack.nodes.inputs import config_from_inputs
 from kv_offload_pack.nodes.run.reuse import ALWAYS
-from kv_offload_pack.offload_core import HostServices, KVStore
+from kv_offload_pack.offload_core import HostServices, KVStore, passive
 
 from nodes_tiny import FakePatcher, sample
 from qwen21_tiny import Tiny21
@@ -45,7 +45,7 @@ class Fills:
                 self.count += 1
             return real(i, x, *a)
 
-        dm._attend = attend
+        dm._attend = passive(attend)  # it counts: the key must not read its count
 
 
 # The tests of what reuse serves keep it on whatever the measurement: at the tiny model's size a hit saves about

@@ -17,7 +17,9 @@ chosen size: a disk that wants 16 requests in flight to read at its limit gets t
 threads, while writes keep their bound. No probe runs where it would measure RAM instead of the disk (a
 filesystem in RAM, reads and writes through the page cache), nor where `KV_OFFLOAD_IO_REQUEST_MIB` or
 `KV_OFFLOAD_IO_DEPTH` fix the pattern, nor with `KV_OFFLOAD_IO_PROBE=0`; a probe that fails (a full disk) falls
-back to the default pattern, says why in `stats()["file_io"]`, and is tried again by the next tier.
+back to the default pattern, says why in `stats()["file_io"]`, and is tried again by the next tier (one that
+timed out is not: the disk did not answer, and a request stuck in the kernel keeps the probe's file open until
+it returns, then a thread of its own closes it).
 """
 
 from __future__ import annotations
@@ -118,10 +120,13 @@ def pattern_for(directory: str, cache_mode: str, ram_fs: Optional[str]) -> IOPat
             try:
                 fit = probe(directory, cache_mode)
             except (OSError, fileio.KVFileError) as exc:  # a full disk, an I/O error: the layers' writes will say
-                cause = fileio.os_cause(exc) if isinstance(exc, OSError) else str(exc)
+                cause = str(exc) if isinstance(exc, (fileio.KVFileError, TimeoutError)) else fileio.os_cause(exc)
                 log.info("KV offload: the I/O probe in %s failed (%s); using %s", directory, cause,
                          label(request, depth))
-                return IOPattern(request, depth, "default", f"the probe failed ({cause})")
+                fallback = IOPattern(request, depth, "default", f"the probe failed ({cause})")
+                if isinstance(exc, TimeoutError):  # a disk that did not answer: no later tier probes it again
+                    _FITS[key] = fallback
+                return fallback
             _FITS[key] = fit
             log.info("KV offload: file I/O in %s: %s requests in flight of %d MiB (%s)", directory, fit.depth,
                      fit.request // MiB, fit.reason)
@@ -243,15 +248,26 @@ def measure(directory: str, cache_mode: str, request: int, depth: int, nbytes: i
         got["read"] = got["reads"].pop(depth)
         return got
     finally:
-        stuck = pool.shutdown(iopool.io_timeout()) if pool is not None else []
-        if not stuck:  # a request stuck in the kernel keeps its descriptor and buffer (never freed under it)
+        def release() -> None:
             if f is not None:
                 f.close()
             for view in views:
                 view.release()
             for buf in ring:
                 buf.release()
+
+        stuck = pool.shutdown(iopool.io_timeout()) if pool is not None else []
+        if not stuck:
+            release()
+        else:  # a request stuck in the kernel keeps its descriptor and buffers until it returns, then they go
+            threading.Thread(target=_release_after, args=(pool, release), name="kv_offload_probe_release",
+                             daemon=True).start()
         discard(path)
+
+
+def _release_after(pool: iopool.IOPool, release: Callable[[], None]) -> None:
+    pool.join()
+    release()
 
 
 def timed(pool: iopool.IOPool, nbytes: int, request: int, depth: int, fn: Callable[[int, int], None]) -> float:

@@ -164,6 +164,13 @@ class IOPool:
             return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
 
 
+    def join(self) -> None:
+        """After `shutdown`: waits, without a bound, for every thread to end (a job stuck in the kernel returns)."""
+        for thread in self._threads:
+            if thread.ident is not None:
+                thread.join()
+
+
 def _shut(name: str, what: str) -> RuntimeError:
     return RuntimeError(f"KV offload: I/O pool {name} was shut down before {what} finished.")
 

@@ -19,6 +19,7 @@ import errno
 import itertools
 import logging
 import os
+import tempfile
 import time
 from typing import Dict, Hashable, List, Optional
 
@@ -54,12 +55,15 @@ class FileTier(Tier):
         # exactly it, and a later store reclaims it if this process dies first.
         try:
             self._owner = OwnedDir(parent_dir, "kv_offload-")
-        except OSError as exc:
-            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise KVWriteError(f"KV offload: the disk holding {parent_dir or 'the temp directory'!r} is full "
-                               f"({os_cause(exc)}): not even the cache's directory fits. Free space there, point "
-                               "`file_dir` at a bigger disk, or pick a RAM mode.") from None
+        except OSError as exc:  # a full disk, or one that turned read-only (remounted after an error, chattr +i)
+            where = parent_dir or tempfile.gettempdir()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise KVWriteError(f"KV offload: the disk holding {where!r} is full ({os_cause(exc)}): not even the "
+                                   "cache's directory fits. Free space there, point `file_dir` at a bigger disk, or "
+                                   "pick a RAM mode.") from None
+            raise KVWriteError(f"KV offload: the cache's directory cannot be made in {where!r} ({os_cause(exc)}): "
+                               "the folder is not writable now. Make it writable, point `file_dir` at another "
+                               "folder, or pick a RAM mode.") from None
         self.directory = self._owner.path
         self._closed = False
         self._chunks = self._hashes = None
