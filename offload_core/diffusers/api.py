@@ -91,13 +91,17 @@ def enable_kv_offload(pipe, mode: Mode | str = "auto", *, host: HostServices | N
 
     registry = PrefixRegistry(budget, name=type(pipe).__name__) if reuse and config.mode is not Mode.OFF else None
     session = OffloadSession(pipe, config, host, registry, always=reuse == "always")
-    before, after = session.times.hooks(session.timing)
-    if registry is not None:  # around the adapter's hooks: a call the adapter makes from its own is part of it
-        session.add_hook(transformer.register_forward_pre_hook(ours(before), with_kwargs=True))
-    (qwenimage21 if kind == "qwenimage21" else flux2).install(session, transformer)
-    if registry is not None:
-        session.add_hook(transformer.register_forward_hook(ours(after), with_kwargs=True))
-    session.attach()
+    try:  # stopped anywhere (an error, Ctrl-C), the pipeline is given back as it was: it can be enabled again
+        before, after = session.times.hooks(session.timing)
+        if registry is not None:  # around the adapter's hooks: a call the adapter makes from its own is part of it
+            session.add_hook(transformer.register_forward_pre_hook(ours(before), with_kwargs=True))
+        (qwenimage21 if kind == "qwenimage21" else flux2).install(session, transformer)
+        if registry is not None:
+            session.add_hook(transformer.register_forward_hook(ours(after), with_kwargs=True))
+        session.attach()
+    except BaseException:
+        session.detach()
+        raise
     logger.info("KV offload enabled on %s: mode=%s, reuse %s", type(pipe).__name__, config.mode.value,
                 "on" if registry is not None else "off")
     return session

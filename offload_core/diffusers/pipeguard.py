@@ -82,8 +82,10 @@ def guard_decode(vae, session) -> None:
 
 
 def unguard_decode(vae, session) -> None:
-    current = vae.__dict__.get("decode")
-    if current is None or getattr(current, "_kv_offload_session", None) is not session:
+    if "decode" not in vae.__dict__:  # never guarded (an enable stopped before it), or already undone
+        return
+    current = vae.__dict__["decode"]
+    if getattr(current, "_kv_offload_session", None) is not session:
         logger.warning("The VAE's decode was re-wrapped after KV offload was enabled; leaving it in place.")
         return
     previous = current._kv_offload_previous

@@ -232,8 +232,8 @@ class OffloadSession:
         guard_copy(pipe.transformer, self)
         vae = getattr(pipe, "vae", None)
         if vae is not None:
+            self._decode_owner = vae  # first: a detach after a Ctrl-C in the next line undoes it
             guard_decode(vae, self)
-            self._decode_owner = vae
 
     def detach(self) -> None:
         """Undo `attach()` and every registered hook; closes live stores and every kept store first."""
@@ -251,9 +251,13 @@ class OffloadSession:
             if self._decode_owner is not None:
                 unguard_decode(self._decode_owner, self)
                 self._decode_owner = None
+            # `attach` may have been stopped part-way (Ctrl-C in `enable_kv_offload`): undo what it did, only that
             pipe = self.pipe
-            object.__setattr__(pipe, "__class__", type(pipe)._kv_offload_base)
-            object.__delattr__(pipe, SESSION_ATTR)
+            base = type(pipe).__dict__.get("_kv_offload_base")
+            if base is not None:
+                object.__setattr__(pipe, "__class__", base)
+            if pipe.__dict__.get(SESSION_ATTR) is self:
+                object.__delattr__(pipe, SESSION_ATTR)
 
 
 def make_config(mode: Mode | str, config_fields: dict) -> OffloadConfig:

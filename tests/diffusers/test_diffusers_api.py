@@ -142,3 +142,32 @@ def test_disable_from_a_step_callback_takes_effect_when_the_call_returns(request
     out = pipe(**args, callback_on_step_end=disable_now).images
     assert seen == [0, 1, 2] and np.array_equal(out, reference)
     assert session_of(pipe) is None and type(pipe) is before["class"] and _hooks(pipe.transformer) == before["hooks"]
+
+
+@pytest.mark.parametrize("where", ["installing the hooks", "guarding the call", "guarding the decode"])
+def test_an_enable_stopped_by_ctrl_c_anywhere_gives_the_pipeline_back(qwen_pipe, images, monkeypatch, where):
+    """Ctrl-C inside enable_kv_offload: the pipeline is as it was, disable is a no-op, and enable works again."""
+    from offload_core.diffusers import api, pipeguard, session as session_mod
+
+    before = _snapshot(qwen_pipe)
+    target = {"installing the hooks": (api.qwenimage21, "install"),
+              "guarding the call": (session_mod, "guarded_class"),
+              "guarding the decode": (session_mod, "guard_decode")}[where]
+    real = getattr(*target)
+
+    def interrupted(*args, **kwargs):
+        real(*args, **kwargs)  # it did its part: the Ctrl-C comes as it returns
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(*target, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        enable_kv_offload(qwen_pipe, "ram_sync")
+    monkeypatch.undo()
+    after = _snapshot(qwen_pipe)
+    assert after["class"] is before["class"] and pipeguard.SESSION_ATTR not in vars(qwen_pipe)
+    assert after["hooks"] == before["hooks"] and "decode" not in vars(qwen_pipe.vae)
+    disable_kv_offload(qwen_pipe)  # nothing to undo
+    enable_kv_offload(qwen_pipe, "ram_sync")
+    models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
+    disable_kv_offload(qwen_pipe)
+    assert type(qwen_pipe) is before["class"]
