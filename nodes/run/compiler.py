@@ -18,6 +18,8 @@ import logging
 from importlib import metadata
 from typing import Callable, Optional, Tuple
 
+from ...offload_core import passive
+
 log = logging.getLogger(__name__)
 _SAID: list = []  # the log says it once a process; the readout every run
 
@@ -57,10 +59,28 @@ def compiler_conflict() -> Optional[str]:
     return None
 
 
+GRAPH_CALLS = ("malloc_graph_enabled", "malloc_graph_begin", "malloc_graph_end", "pause_malloc_graph",
+               "prefetch_queue_pop", "make_prefetch_queue", "cleanup_prefetch_queues")
+
+
+def graph_calls_are_passive() -> None:
+    """ComfyUI's allocation-graph and weight-prefetch calls only record and move memory: declared passive, so
+    a prefix reuse key does not follow the per-thread state they keep (it changes every run, a miss each time)."""
+    try:
+        import comfy.model_prefetch as mp
+    except ImportError:
+        return
+    for name in GRAPH_CALLS:
+        fn = getattr(mp, name, None)
+        if fn is not None:
+            passive(fn)
+
+
 @contextlib.contextmanager
 def compiler_for_run(note: Callable[[str], None]):
     """The run's body: with ComfyUI's compiler turned off for its duration where `compiler_conflict` says so,
     restored however the run ends; `note(text)` tells the readout."""
+    graph_calls_are_passive()
     why = compiler_conflict()
     args = _cli_args() if why is not None else None
     if args is None or getattr(args, "disable_comfy_compiler", True):  # no conflict, or already off

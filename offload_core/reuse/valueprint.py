@@ -184,8 +184,8 @@ class Values:
         return ("ndarray", value.shape, str(value.dtype))
 
 
-_OURS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), part) + os.sep
-              for part in ("offload_core", "nodes"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the pack: offload_core/reuse/..
+_OURS = tuple(os.path.join(_ROOT, part) + os.sep for part in ("offload_core", "nodes"))
 
 
 def ours(value) -> bool:

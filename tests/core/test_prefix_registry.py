@@ -137,8 +137,8 @@ def test_process_exit_leaves_no_files(tmp_path):
     script = textwrap.dedent(f"""
         import torch
         from offload_core import KVStore, OffloadConfig
-        from offload_core.prefix import PrefixKey
-        from offload_core.reuse import PrefixRegistry
+        from offload_core.reuse.prefix import PrefixKey
+        from offload_core.reuse.registry import PrefixRegistry
         registry = PrefixRegistry({{"file": 1 << 30, "host": 1 << 30}})
         store = KVStore(OffloadConfig(mode="file_sync", file_dir={str(tmp_path)!r}), "cpu")
         store.put(0, torch.ones(1, 4, 2, 8), torch.ones(1, 4, 2, 8))

@@ -33,6 +33,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from offload_core import passive
+
+
+GRAPH_CALLS = ("malloc_graph_enabled", "malloc_graph_begin", "malloc_graph_end", "pause_malloc_graph",
+               "prefetch_queue_pop", "make_prefetch_queue", "cleanup_prefetch_queues")
+
 
 class _Alloc:
     __slots__ = ("ref", "nbytes", "rogue")
@@ -121,11 +127,9 @@ class SimMallocGraph:
         self.graphs: dict = {}  # thread id -> Graph
         self.done: list = []  # graphs cleaned up, for the totals
         self.module = types.ModuleType("comfy.model_prefetch")
-        for name in ("malloc_graph_enabled", "malloc_graph_begin", "malloc_graph_end", "prefetch_queue_pop",
-                     "make_prefetch_queue", "cleanup_prefetch_queues"):
-            setattr(self.module, name, getattr(self, name))
-        if pause:  # ComfyUI with graphs but without the escape: False
-            self.module.pause_malloc_graph = self.pause_malloc_graph
+        for name in GRAPH_CALLS:
+            if pause or name != "pause_malloc_graph":  # pause=False: ComfyUI with graphs but without the escape
+                setattr(self.module, name, getattr(self, name))
 
     def install(self, monkeypatch) -> "SimMallocGraph":
         comfy = sys.modules.get("comfy") or types.ModuleType("comfy")
@@ -221,9 +225,18 @@ class NoGraph:
     def make_prefetch_queue(queue, device, transformer_options):
         return None
 
-    pause_malloc_graph = staticmethod(contextlib.nullcontext)
+    @staticmethod
+    def pause_malloc_graph(sync=False):
+        return contextlib.nullcontext()
 
 
+@passive  # bookkeeping of allocations, as ComfyUI's own (`nodes/run/compiler.py` declares those passive too)
 def model_prefetch():
     """What a tiny model calls: the installed stand-in, else a module that does nothing."""
     return sys.modules.get("comfy.model_prefetch") or NoGraph
+
+
+for _cls in (NoGraph, SimMallocGraph):
+    for _name in GRAPH_CALLS:
+        if hasattr(_cls, _name):
+            passive(getattr(_cls, _name))

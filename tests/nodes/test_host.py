@@ -125,7 +125,7 @@ def test_only_dead_processes_runs_are_reclaimed_never_a_live_ones(monkeypatch, t
     os.makedirs(root)
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": repo}
-    module = os.path.join(repo, "offload_core", "tiers", "fileowner.py")
+    module = os.path.join(repo, "offload_core", "tiers", "file", "fileowner.py")
     live, dead = [subprocess.Popen([sys.executable, "-c", CHILD, root, module], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
     try:

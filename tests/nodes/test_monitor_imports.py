@@ -14,7 +14,7 @@ def test_monitor_modules_import_without_comfyui_and_start_no_thread():
         sys.path.insert(0, {str(ROOT / "tests")!r})
         before = {{t.ident for t in threading.enumerate()}}
         import conftest  # loads the pack as a package, like ComfyUI does
-        from kv_offload_pack.nodes import monitor, routes, telemetry
+        from kv_offload_pack.nodes.readout import monitor, routes, telemetry
         after = {{t.ident for t in threading.enumerate()}}
         assert after == before, "a thread was started at import"
         assert "comfy_api" not in sys.modules and "server" not in sys.modules and "aiohttp" not in sys.modules
