@@ -226,3 +226,16 @@ def test_a_forward_under_cuda_graph_capture_stands_the_run_down(monkeypatch, tmp
     noise, refs, txts = _inputs("flux", 0, None)
     assert torch.equal(sample(dm, m.options(), noise, refs, txts), sample(dm, {}, noise, refs, txts))
     assert len(seen) == 1 and "CUDA graph capture" in seen[0]
+
+
+def test_comfyuis_graph_calls_are_declared_passive_for_the_reuse_key(monkeypatch):
+    """They only record and move memory, and keep per-thread state that changes every run: a reuse key that
+    followed them would miss every time under ComfyUI's compiler."""
+    mp = types.ModuleType("comfy.model_prefetch")
+    for name in compiler.GRAPH_CALLS:
+        setattr(mp, name, types.FunctionType((lambda: None).__code__, {}, name))
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", mp)
+    with compiler.compiler_for_run(lambda text: None):
+        pass
+    assert all(getattr(getattr(mp, name), "_kv_offload_passive", False) for name in compiler.GRAPH_CALLS)
