@@ -173,6 +173,17 @@ def test_the_stores_allocate_under_comfyuis_pause(monkeypatch):
     assert host_mod.pause_graph() is None  # ComfyUI v0.33: no compiler
 
 
+def _flux_noting():
+    """(the tiny FLUX model, its patcher in ram_sync, the notes its readout is told)."""
+    seen = []
+    hub = Recorder()
+    hub.note = seen.append
+    dm = TinyDiT()
+    m, _ = apply_offload(FakePatcher(dm), config_from_inputs("ram_sync"), host=lambda p: HostServices(),
+                         store_factory=KVStore, telemetry=hub)
+    return dm, m, seen
+
+
 def _cli_args(monkeypatch, disabled=False):
     args = types.SimpleNamespace(disable_comfy_compiler=disabled)
     cli = types.ModuleType("comfy.cli_args")
@@ -188,12 +199,7 @@ def test_the_compiler_is_turned_off_for_our_run_where_the_stores_cannot_stay_out
     SimMallocGraph(pause=pause).install(monkeypatch)
     args = _cli_args(monkeypatch)
     monkeypatch.setattr(compiler, "aimdo_version", lambda: aimdo)
-    seen = []
-    hub = Recorder()
-    hub.note = seen.append
-    dm = TinyDiT()
-    m, _ = apply_offload(FakePatcher(dm), config_from_inputs("ram_sync"), host=lambda p: HostServices(),
-                         store_factory=KVStore, telemetry=hub)
+    dm, m, seen = _flux_noting()
     during = []
     real = dm._forward
     monkeypatch.setattr(dm, "_forward", lambda *a: during.append(args.disable_comfy_compiler) or real(*a))
@@ -217,12 +223,7 @@ def test_a_compiler_the_user_turned_off_stays_off(monkeypatch):
 
 def test_a_forward_under_cuda_graph_capture_stands_the_run_down(monkeypatch, tmp_path):
     monkeypatch.setattr(wrappers, "capturing", lambda: True)
-    seen = []
-    hub = Recorder()
-    hub.note = seen.append
-    dm = TinyDiT()
-    m, _ = apply_offload(FakePatcher(dm), config_from_inputs("ram_sync"), host=lambda p: HostServices(),
-                         store_factory=KVStore, telemetry=hub)
+    dm, m, seen = _flux_noting()
     noise, refs, txts = _inputs("flux", 0, None)
     assert torch.equal(sample(dm, m.options(), noise, refs, txts), sample(dm, {}, noise, refs, txts))
     assert len(seen) == 1 and "CUDA graph capture" in seen[0]
