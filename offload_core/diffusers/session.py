@@ -17,6 +17,7 @@ are removed by `detach()`. The reuse key's diffusers part is in `keys.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -262,4 +263,9 @@ class OffloadSession:
 
 def make_config(mode: Mode | str, config_fields: dict) -> OffloadConfig:
     """Build and validate the config before anything is patched."""
+    fields = {f.name for f in dataclasses.fields(OffloadConfig)} - {"mode"}
+    unknown = sorted(set(config_fields) - fields)
+    if unknown:
+        raise TypeError(f"enable_kv_offload: unknown option(s) {', '.join(map(repr, unknown))}; the options are "
+                        f"mode, host, reuse, reuse_budget and the OffloadConfig fields {', '.join(sorted(fields))}.")
     return OffloadConfig(mode=mode, **config_fields)

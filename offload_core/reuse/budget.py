@@ -27,6 +27,8 @@ def parse_budget(value: BudgetSpec, *, option: str = "reuse_budget") -> Dict[str
     if isinstance(value, bool) or not isinstance(value, (int, Mapping)):
         raise ValueError(f"`{option}` must be None, a byte count or a dict {{place: bytes}} with places "
                          f"{', '.join(BUDGET_PLACES)}; got {value!r}. Pass e.g. {{'host': 8 << 30}}.")
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"`{option}` must be a byte count >= 0 (for every place) or None; got {value!r}.")
     items = {place: value for place in BUDGET_PLACES} if isinstance(value, int) else dict(value)
     for place, n in items.items():
         if place not in BUDGET_PLACES:

@@ -156,6 +156,8 @@ def test_budget_errors_name_the_option_and_the_fix():
         parse_budget({"vram": 1})
     with pytest.raises(ValueError, match=r"`reuse_budget\['host'\]` must be a byte count >= 0"):
         parse_budget({"host": -1})
+    with pytest.raises(ValueError, match=r"`reuse_budget` must be a byte count >= 0 \(for every place\) or None; got -5"):
+        parse_budget(-5)
     with pytest.raises(ValueError, match="must be None, a byte count or a dict"):
         parse_budget("8G")
     assert parse_budget(5) == {"device": 5, "host": 5, "file": 5}

@@ -171,3 +171,9 @@ def test_an_enable_stopped_by_ctrl_c_anywhere_gives_the_pipeline_back(qwen_pipe,
     models.run_pipeline(qwen_pipe, images[:1], steps=STEPS, resolution=RES)
     disable_kv_offload(qwen_pipe)
     assert type(qwen_pipe) is before["class"]
+
+
+def test_a_misspelt_option_is_refused_with_the_valid_names(qwen_pipe):
+    with pytest.raises(TypeError, match=r"unknown option\(s\) 'prefetchdepth'; the options are .*prefetch_depth"):
+        enable_kv_offload(qwen_pipe, "ram_sync", prefetchdepth=2)
+    assert type(qwen_pipe).__name__ == "QwenImage21Pipeline" and not hasattr(type(qwen_pipe), "_kv_offload_base")
