@@ -81,7 +81,7 @@ class KVStore:
         self.closed = False
         self.depth = 0
         self.sealed = False  # set by park(): complete and read-only
-        self._broken: Optional[str] = None  # the operation that raised part-way (`_whole`)
+        self._broken: Optional[str] = None  # the operation that raised part-way (`_fail`)
         self._stats = StoreStats(name, str(self.device), self.requested.value, config.storage)
         if config.mode is not Mode.AUTO:
             mode, reason = resolve(config.mode, self._unified)
@@ -171,8 +171,11 @@ class KVStore:
                              "Use a new store (or close this one) for a new request.")
         if self.plan is None:  # the host's figures first: a bad one raises before this store allocates anything
             free = self._free_figures()
-        with self._whole("put"):
+        try:
             self._put(key, k, v, free if self.plan is None else None)
+        except BaseException as exc:
+            self._fail("put", exc)
+            raise
 
     def _put(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, free) -> None:
         whole = (k, v)
@@ -204,8 +207,11 @@ class KVStore:
         self._check_open("get")
         if key not in self._layers.layouts:
             raise KeyError(f"KVStore.get: layer {key!r} was never put into store {self.name!r}.")
-        with self._whole("get"):
+        try:
             return self._res.ring.serve(key)
+        except BaseException as exc:
+            self._fail("get", exc)
+            raise
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -214,20 +220,14 @@ class KVStore:
             raise RuntimeError(f"KVStore.{what}: store {self.name!r} is broken: {self._broken} stopped part-way, "
                                "so what it holds is unknown. Close it (close() frees everything) and use a new store.")
 
-    @contextlib.contextmanager
-    def _whole(self, what: str):
-        """The part of `what` that changes the store. Raised part-way (an error, Ctrl-C), it leaves the store
-        broken: every later call but `close()` and `stats()` says so, and `close()` frees everything, as a file
-        object does after a failed write. A layer the disk could not take (`KVWriteError`) breaks nothing: none of
-        it was kept, and the layers before it still serve (a host falls back on them)."""
-        try:
-            yield
-        except KVWriteError:
-            raise
-        except BaseException as exc:
-            if self._broken is None:
-                self._broken = f"an earlier {what} ({type(exc).__name__})"
-            raise
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """`what` raised part-way (an error, Ctrl-C): the store is broken, since what it holds is unknown; every
+        later call but `close()` and `stats()` says so, and `close()` frees everything, as a file object does
+        after a failed write. A layer the disk could not take (`KVWriteError`) breaks nothing: none of it was
+        kept, and the layers before it still serve (a host falls back on them). A try/except costs nothing on
+        the get path; a context manager there cost 1 us a get."""
+        if self._broken is None and not isinstance(exc, KVWriteError):
+            self._broken = f"an earlier {what} ({type(exc).__name__})"
 
     @engine_mode
     def flush(self) -> None:
@@ -236,9 +236,12 @@ class KVStore:
         own layer. For measuring, and for a caller that wants write errors at a point of its choosing."""
         self._owner.check("flush", self.name)
         self._check_open("flush")
-        with self._whole("flush"):
+        try:
             for tier in list(self._tiers.values()):
                 tier.flush()
+        except BaseException as exc:
+            self._fail("flush", exc)
+            raise
 
     @engine_mode
     def park(self) -> None:
@@ -255,11 +258,14 @@ class KVStore:
             if self.closed or self._res is None:
                 return
             self._check_open("park")
-            with self._whole("park"):
+            try:
                 if not self.sealed:
                     self._res.seal()
                 self.sealed = True
                 self._res.ring.empty()  # host slots a tier made go back to the OS, device slots to the allocator
+            except BaseException as exc:
+                self._fail("park", exc)
+                raise
             self._stats.parked(self._layers.resident_bytes(), len(self._layers.resident))
             self._consumer.release()  # the next request's consumer owns it, one request at a time
 

@@ -2,7 +2,7 @@
 
 A slot holds one layer (its `key`) once a load into it is queued, with the load's `pending` and the `release`
 fence of the last consumer kernels that read it. A load into a slot waits for that fence, so a copy never
-overwrites data still being read. A load or wait that fails breaks the store (`KVStore._whole`): nothing is
+overwrites data still being read. A load or wait that fails breaks the store (`KVStore._fail`): nothing is
 served after it. When the consumer
 asks for layer i (`SlotRing.serve`), the slot of the layer it used before is released, layer i is waited for,
 and the next `depth` streamed layers in the learned order are loaded into free slots (resident layers need no

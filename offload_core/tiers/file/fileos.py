@@ -291,7 +291,7 @@ class Handle:
         if "fd" in self.__dict__ or self.__dict__.get("_own"):
             try:
                 self.close()
-            except OSError:
+            except Exception:  # noqa: BLE001 - a finalizer must not raise (at exit `os` may be half torn down)
                 pass
 
 
