@@ -68,10 +68,11 @@ class GrowingKVStore:
         if self.mode is not self.requested:
             log.warning("KV offload [%s]: %s", name, self._granted)
         self._stats = StoreStats(name, str(self.device), self.requested.value, config.storage)
-        self._order, self._tiers = LayerOrder(), {}
+        self._order = LayerOrder()
         self._res = StoreResources(self, self._owner, config, self._host, self.device,
-                                   self.mode is Mode.AUTO or self.mode.is_async, self._tiers,
+                                   self.mode is Mode.AUTO or self.mode.is_async,
                                    Layers(Compact(None, "")), self._order, self._stats)
+        self._tiers = self._res.tiers  # owned by the resources: opened there, closed with them
         self.depth = self._res.depth
         self.plan = self._make_plan(unified)
         if self.mode is Mode.AUTO:

@@ -73,7 +73,6 @@ class KVStore:
         self._granted = "auto: decided at the first put"  # how the requested mode was granted (see `reason`)
         self.plan: Optional[Plan] = None
         self._res: Optional[StoreResources] = None  # streams, allocators, tiers and ring, once the mode is known
-        self._tiers: Dict[str, Tier] = {}
         self._layers = Layers(self._compact)
         self.dedup = RowDedup(config.dedups)
         self._order = LayerOrder()
@@ -91,12 +90,17 @@ class KVStore:
             self._open_schedule(mode.is_async)
 
     @property
+    def _tiers(self) -> Dict[str, Tier]:
+        """The open tiers, by place: `StoreResources` owns them."""
+        return self._res.tiers if self._res is not None else {}
+
+    @property
     def _tag(self) -> str:
         return f" [{self.name}]" if self.name else ""
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def _open_schedule(self, asynchronous: bool) -> None:
-        self._res = StoreResources(self, self._owner, self.config, self._host, self.device, asynchronous, self._tiers,
+        self._res = StoreResources(self, self._owner, self.config, self._host, self.device, asynchronous,
                                    self._layers, self._order, self._stats)
         self.depth = self._res.depth
 

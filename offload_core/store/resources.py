@@ -40,7 +40,7 @@ def _close_in_owner(owner: Owner, tiers: Dict[str, Tier], streams) -> None:
 
 class StoreResources:
     def __init__(self, store: object, owner: Owner, config: OffloadConfig, host: HostServices, device: torch.device,
-                 asynchronous: bool, tiers: Dict[str, Tier], layers: Layers, order: LayerOrder, stats: StoreStats):
+                 asynchronous: bool, layers: Layers, order: LayerOrder, stats: StoreStats):
         self._config, self._host, self._stats = config, host, stats
         self.depth = config.depth if asynchronous else 0
         self.streams = open_streams(device, asynchronous, host.stream)
@@ -48,14 +48,14 @@ class StoreResources:
         # per process (the host's, else the engine's) is shared by every store; `pin_budget` caps this one inside it.
         self.allocator = HostAllocator(self.streams.asynchronous, config.pin_budget, host.pin, host.unpin)
         self.pageable = HostAllocator(False, 0)
-        self.tiers = tiers
+        self.tiers: Dict[str, Tier] = {}  # place -> its tier, opened at the first layer stored there
         self.notes: List[str] = []  # what the tiers add (e.g. files on a RAM-backed filesystem)
         self._ctx = TierContext(device, self.streams, self.allocator, self.depth)
-        self.ring = SlotRing(self.depth, self.streams, tiers, layers, order, stats)
+        self.ring = SlotRing(self.depth, self.streams, self.tiers, layers, order, stats)
         # A safety net for stores dropped without close(): files and pinned pages still go away. It holds the
         # dict itself, so tiers opened later are closed too; in a forked child (garbage collection, interpreter
         # exit) it does nothing: the files and buffers are the parent's.
-        self._finalizer = weakref.finalize(store, _close_in_owner, owner, tiers, self.streams)
+        self._finalizer = weakref.finalize(store, _close_in_owner, owner, self.tiers, self.streams)
         self.closed = False
 
     def tier(self, place: str) -> Tier:
