@@ -14,9 +14,6 @@ import pytest
 # Every view a store hands out or fills is checked against its buffer's address range (offload_core.layout),
 # here and in every process the tests start (a real ComfyUI included).
 os.environ["KV_OFFLOAD_CHECK_VIEWS"] = "1"
-# The file tiers' request size and depth stay the defaults (`fileio.CHUNK`, `iopool.IO_DEPTH`), which tests shape,
-# instead of whatever a probe of this machine's disk finds; `tests/core/test_diskfit.py` turns the probe on.
-os.environ["KV_OFFLOAD_IO_PROBE"] = "0"
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACK = "kv_offload_pack"

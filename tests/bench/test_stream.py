@@ -175,7 +175,7 @@ def _result(write_range, read_range):
            "read_ms_per_layer": 1.0, "exact": True, "put_vs_paired": 0.91, "get_vs_paired": 0.96,
            "put_vs_paired_range": [0.85, 0.97], "get_vs_paired_range": [0.9, 1.0],
            "best_put_vs_max_raw": 0.9, "best_get_vs_max_raw": 0.95,
-           "file_io": {"pattern": "4MiBx8", "chosen": "probe"}}
+           "file_io": {"pattern": "4MiBx8"}}
     return {"device": "cpu", "cache_bytes": 1 << 30, "layer_bytes": 64 << 20, "directory": "/d", "chunk_bytes": 8 << 20,
             "filesystem_in_ram": None, "io_depth": 4, "prefetch_depth": 2, "compute_ratio": 1.5, "rounds": 3,
             "limits": {"file": file, "ram_gib_s": 10.0}, "rows": [row]}
@@ -184,7 +184,7 @@ def _result(write_range, read_range):
 def test_the_table_says_when_the_disk_moved_too_much_to_settle_a_ratio():
     steady = streamreport.table(_result([0.95, 1.05], [0.9, 1.05]))
     assert "(0.95-1.05)" in steady and "put 91% (85%-97%)" in steady and "note:" not in steady
-    assert "| file_sync  | 4MiBx8 (probe)     |" in steady  # the pattern the file tier chose, and how
+    assert "| file_sync  | 4MiBx8             |" in steady  # the file tier's request size and depth
     assert "verif" not in steady  # a result from before the verifying reader existed still prints
     result = _result([0.95, 1.05], [0.9, 1.05])
     result["limits"]["file"].update(limit_verified_read_gib_s=0.94, limit_verified_read_range=[0.9, 0.99])

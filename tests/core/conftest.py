@@ -13,7 +13,7 @@ ON_BOTH = {"test_contract", "test_schedule", "test_files", "test_misuse", "test_
            "test_plan_reasons", "test_dedup", "test_property_engine", "test_codec_limits"}
 ON_EVERY_SYSTEM = {"test_files", "test_file_integrity", "test_file_owner", "test_file_interrupts", "test_file_disk",
                    "test_file_park_close_interrupts", "test_file_put_interrupts",
-                   "test_contract", "test_diskfit"}  # the contract: its file-mode cases only (the others touch no file)
+                   "test_contract"}  # the contract: its file-mode cases only (the others touch no file)
 
 
 def pytest_generate_tests(metafunc):

@@ -1,5 +1,7 @@
 """Layers and file stores for the file-tier suites that attack the tiers (stuck I/O, interrupts)."""
 
+import os
+
 import torch
 
 from offload_core import KVStore, OffloadConfig
@@ -19,3 +21,15 @@ def file_store(mode, directory, data=None, put=(), **fields):
     for key in put:
         store.put(key, *data[key])
     return store
+
+
+def open_files(name):
+    """This process's descriptors open on a file whose path contains `name` (Linux's /proc)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if name in os.readlink(f"/proc/self/fd/{fd}"):
+                found.append(fd)
+        except OSError:
+            pass  # closed meanwhile
+    return found

@@ -22,8 +22,8 @@ MiB = 1 << 20
 HUGE = 2 * MiB
 MODES = ["gpu", "ram_sync", "ram_async", "file_sync", "file_async", "auto"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# The file tiers' patterns (`tiers.diskfit`): every request size and depth a probe can choose, and requests far
-# smaller than any layer's chunk count would be otherwise (many chunks, each layer's last wave split).
+# The file tiers' patterns (`KV_OFFLOAD_IO_REQUEST_MIB`, `KV_OFFLOAD_IO_DEPTH`), and requests far smaller than
+# any layer's chunk count would be otherwise (many chunks a layer).
 IO_REQUESTS = [64 << 10, MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
 IO_DEPTHS = [1, 2, 4, 8, 16]
 BIG_LIMIT = 64 * MiB  # one K (or V) at most; a store holds at most one layer that large

@@ -55,9 +55,8 @@ def test_good_values_are_used_as_given(monkeypatch):
 
 def _engine_reads(**env):
     script = ("import logging; logging.basicConfig(format='%(message)s')\n"
-              "from offload_core.tiers import base\nfrom offload_core.tiers.file import diskfit, iopool\n"
-              "io = diskfit.pattern_for('.', 'o_direct', None)\n"
-              "print(io.depth, io.request >> 20, iopool.io_timeout(), base.TRANSFER_TIMEOUT_S)")
+              "from offload_core.tiers import base\nfrom offload_core.tiers.file import fileio, iopool\n"
+              "print(iopool.IO_DEPTH, fileio.CHUNK >> 20, iopool.io_timeout(), base.TRANSFER_TIMEOUT_S)")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, **env})
     assert out.returncode == 0, out.stderr

@@ -169,7 +169,6 @@ def test_a_disk_full_at_the_first_put_says_so_and_keeps_direct_io_once_space_is_
     # directory refusing direct I/O (the store would then go through the page cache for the rest of its life).
     if system.name == "macos":
         pytest.skip("macOS has no direct I/O to probe (F_NOCACHE is set per file)")
-    monkeypatch.setenv("KV_OFFLOAD_IO_PROBE", "0")
     where = mount_ext4("24m")
     filler = _fill(where)
     with pytest.raises(KVWriteError, match="is full.*the cache's directory"):  # not a bare OSError
@@ -197,7 +196,6 @@ def test_a_disk_that_fills_mid_write_names_the_layer_files_size(mode, mount_ext4
         pytest.skip("Windows allocates by extending the file, before any write")
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")
-    monkeypatch.setenv("KV_OFFLOAD_IO_PROBE", "0")
     where = mount_ext4("24m")
     _fill(where, leave=6 * MiB)
     monkeypatch.setattr(os, "posix_fallocate", unsupported)

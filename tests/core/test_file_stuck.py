@@ -12,8 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import pytest
 import torch
 
-from filestores import MODES, file_store, layers
-from offload_core import KVWriteError
+from filestores import MODES, file_store, layers, open_files
 from offload_core.tiers.file import iopool
 
 
@@ -131,7 +130,6 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
 
     store = file_store(mode, tmp_path, data, put=[0])
     store.flush()
-    descriptors = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(os, "pwrite", pwrite)
     try:
         store.put(1, *data[1])
@@ -150,7 +148,7 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
         assert "stuck in the kernel" in caplog.text and "layer-00001" in caplog.text
         assert os.listdir(tmp_path) == []
         release.set()  # the request returns after all: its descriptor goes then
-        wait_until(lambda: len(os.listdir("/proc/self/fd")) <= descriptors - 1)  # the directory lock is gone too
+        wait_until(lambda: not open_files(str(tmp_path)))  # and the directory's lock
     finally:
         release.set()
 
@@ -161,54 +159,12 @@ def test_close_with_io_in_flight_leaks_no_descriptor(mode, tmp_path):
     # Writes and prefetches still queued or running when close() cancels them: each one's file descriptor is
     # closed once its last request has stopped, never while one could still use the number.
     data = layers(8, shape=(1, 2, 2048, 128))
-    before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         store = file_store(mode, tmp_path, data, put=range(8))
         store.get(0)  # and a prefetch in flight
         store.close()
-    assert len(os.listdir("/proc/self/fd")) == before
+        assert not open_files(str(tmp_path))
     assert os.listdir(tmp_path) == []
-
-
-def test_a_chunk_checksum_runs_beside_the_io_and_never_hangs_a_shut_pool(wait_until):
-    # With a request waiting, the I/O thread hands the rest of a job (a chunk's checksum) to another pool and
-    # takes that request; the job's future completes with the rest's result, or with an error if that pool
-    # shuts down first. (An I/O thread with nothing waiting runs the rest itself: tests/core/test_iopool.py.)
-    io, hashes = iopool.IOPool(1, "test_io"), iopool.IOPool(1, "test_hash")
-    gate = threading.Event()
-
-    def read_then(rest, queued: threading.Event):
-        assert queued.wait(5)  # the next request is queued before this one's read ends
-        return iopool.Then(rest, hashes)
-
-    try:
-        queued = threading.Event()
-        first = io.submit(lambda: read_then(lambda: (gate.wait(5), "checked")[1], queued), "the first read")
-        second = io.submit(lambda: "read", "the second read")
-        queued.set()
-        assert second.result(timeout=5) == "read"  # the one I/O thread was free while the checksum waited
-        assert not first.done()
-        gate.set()
-        assert first.result(timeout=5) == "checked"
-        blocker, running = threading.Event(), threading.Event()
-        hashes.submit(lambda: (running.set(), blocker.wait(5)), "a long checksum")
-        assert running.wait(5)
-        for name in ("third", "fourth"):
-            queued = threading.Event()
-            job = io.submit(lambda: read_then(lambda: "never", queued), f"the {name} read")
-            io.submit(lambda: "read", "a read behind it")
-            queued.set()
-            if name == "third":
-                wait_until(lambda: hashes._jobs.qsize() == 1)  # its checksum is queued behind the long one
-                hashes.shutdown(0.0)
-                blocker.set()
-            with pytest.raises(RuntimeError, match=f"shut down before the {name} read finished"):
-                job.result(timeout=5)
-    finally:
-        gate.set()
-        io.shutdown(5)
-        hashes.shutdown(5)
-
 
 class LateReads(StuckReads):
     """Stand-in for a slow disk that answers after the timeout: preadv of one file waits until released, then
@@ -238,7 +194,6 @@ def test_a_read_that_timed_out_never_lands_in_the_slot_the_next_read_serves(mode
     tier._reader.load(entries[1], slot, DONE).wait(None)
     layer1 = slot[:nbytes].clone()
     tier._reader.load(entries[0], slot, DONE).wait(None)
-    fds = len(os.listdir("/proc/self/fd"))
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 0.5)
     late = LateReads("layer-00002.safetensors")
     monkeypatch.setattr(os, "preadv", late)
@@ -263,7 +218,7 @@ def test_a_read_that_timed_out_never_lands_in_the_slot_the_next_read_serves(mode
         finally:
             helper.join()
         wait_until(late.left.is_set)
-        wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)  # the late read's descriptor, once it ended
+        wait_until(lambda: not open_files("layer-00002"))  # the late read's descriptor, once it ended
         assert torch.equal(slot[:nbytes], layer1)
     finally:
         late.release.set()

@@ -20,25 +20,6 @@ def pools():
     for pool in made:
         pool.shutdown(5)
 
-
-def test_an_idle_worker_runs_the_rest_of_its_job_itself(pools):
-    # Nothing waits for the I/O thread: it takes the checksum itself instead of waking a hash thread, whose
-    # wake-up would lie between a file_sync layer's last read and its get's return.
-    io, hashes = pools(1, "test_io"), pools(1, "test_hash")
-    job = io.submit(lambda: iopool.Then(lambda: threading.current_thread().name, hashes), "a read")
-    assert job.result(timeout=5).startswith("test_io")
-
-
-def test_a_worker_with_a_request_waiting_hands_the_rest_on(pools):
-    io, hashes = pools(1, "test_io"), pools(1, "test_hash")
-    queued = threading.Event()
-    job = io.submit(lambda: (queued.wait(5), iopool.Then(lambda: threading.current_thread().name, hashes))[1], "a read")
-    behind = io.submit(lambda: "read", "the next read")
-    queued.set()
-    assert job.result(timeout=5).startswith("test_hash")
-    assert behind.result(timeout=5) == "read"
-
-
 def test_wait_all_returns_every_result_in_order_whatever_order_they_end_in(pools):
     pool = pools(4, "test_io")
     gates = [threading.Event() for _ in range(4)]

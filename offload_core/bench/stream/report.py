@@ -112,8 +112,8 @@ def _ring(result: Dict[str, object]) -> str:
 
 
 def _pattern(io) -> str:
-    """A file mode's request size x requests in flight and how they were chosen (`stats()["file_io"]`)."""
-    return "-" if not io else f"{io['pattern']} ({io['chosen']})"
+    """A file mode's request size x requests in flight (`stats()["file_io"]`)."""
+    return "-" if not io else io["pattern"]
 
 
 def sweep_lines(f: dict) -> List[str]:

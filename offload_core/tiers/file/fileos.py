@@ -49,15 +49,9 @@ _F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
 _SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
 BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
 # How `posix_fallocate` is asked for a layer file's data: in pieces of a power of two from `RESERVE_GRAIN` to
-# `RESERVE_PIECE`, largest first (the rest, under a grain, last). A disk's own grain is often larger than a page
-# (a virtual disk's backing, an SSD's erase unit), and a request that straddles two of them costs more. ext4
-# starts an allocation of a power of two up to 32 MiB on a 2 MiB boundary (a 1 MiB one on a 1 MiB one) and
-# others where it finds room: a 50 MiB one two blocks (8 KiB) past a 2 MiB boundary, a 3 MiB one anywhere; and
-# a file allocated whole puts its data a header's length past wherever the file starts. Measured on this
-# project's virtual disk (ext4, 64 MiB layers, 8 MiB requests, 4 in flight): data 8 KiB past the boundary wrote
-# at 0.6-0.75 and read at about 0.9 of the same files with their data on it. So a layer file's header and data
-# are allocated apart, the data in such pieces: each starts on a 2 MiB boundary, and so does every request of a
-# whole grain's size.
+# `RESERVE_PIECE`, largest first (the rest, under a grain, last), apart from its header. ext4 starts such an
+# allocation on a 2 MiB boundary and others anywhere, and a request that straddles a disk's grain costs more
+# (docs/benchmark.md, "Where the data lies on the disk").
 RESERVE_GRAIN = 2 << 20
 RESERVE_PIECE = 32 << 20
 

@@ -1,10 +1,8 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
-The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads (`file_sync`:
-the last wave of a layer in quarter-chunk requests, each chunk's checksum taken part by part as they arrive, so
-the queue drains for less time at its end and the last checksum is short) into a read
-staging buffer, every chunk's digest (checked by the hash threads, beside the I/O) and the header compared with
-what the store wrote, then the data is copied into the device slot. A CPU consumer's slots are page-aligned, so
+The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads into a read
+staging buffer, every chunk's digest (taken by the thread that read it) and the header compared with what the
+store wrote, then the data is copied into the device slot. A CPU consumer's slots are page-aligned, so
 there the chunks are read straight into the slot, with no copy. `file_async` runs the per-layer steps on two lanes
 (one thread each, first in first out, so copies into one slot stay in order): one that starts reads and one that
 finishes them, so the next layer's chunks are queued while this one's complete. `file_sync` runs them inline.
@@ -16,53 +14,18 @@ import concurrent.futures as cf
 import functools
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 
 from ...host.devices import DONE, Fence
 from ...host.hostmem import HostBuffer
-from ...layout import ALIGN, check_fits
+from ...layout import check_fits
 from ..base import Pending, TierContext
-from .fileio import (KVFileError, checksum_module, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact)
+from .fileio import KVFileError, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact
 from .filewrite import LayerFile
-from .iopool import IOPool, IOStuckError, Then, io_timeout, wait_all, when_done
+from .iopool import IOPool, IOStuckError, io_timeout, wait_all, when_done
 from .staging import StagingPool
-
-TAIL_PARTS = 4  # requests per chunk in the last wave of a layer's read (see Reader._parts)
-
-
-class _Parts:
-    """The parts of one chunk read as several requests: its checksum is taken part by part, in order, as they
-    arrive (on the hash threads; one at a time, by whichever thread finds the next part in)."""
-
-    def __init__(self, starts: List[int], hashing: bool):
-        self._order = starts
-        self._arrived: Dict[int, memoryview] = {}
-        self._next = 0  # index in `_order` of the next part to hash
-        self._busy = False  # a thread is hashing; parts that arrive meanwhile are left to it
-        self._hasher = checksum_module().xxh3_64() if hashing else None  # None: the chunk has no digest to check
-        self._lock = threading.Lock()
-
-    def arrived(self, start: int, piece: memoryview) -> Optional[int]:
-        """Part `start` is in; hashes every part now in, in order. Returns the chunk's digest (0 where nothing
-        is hashed) to the one call that finds the last part done, else None."""
-        with self._lock:
-            self._arrived[start] = piece
-            if self._busy:
-                return None
-            self._busy = True
-        while True:
-            with self._lock:
-                if self._next == len(self._order):
-                    return self._hasher.intdigest() if self._hasher is not None else 0
-                piece = self._arrived.pop(self._order[self._next], None)
-                if piece is None:
-                    self._busy = False  # the next part's own arrival hashes it (it takes the lock after this)
-                    return None
-            if self._hasher is not None:
-                self._hasher.update(piece)
-            self._next += 1
 
 
 class _Read:
@@ -93,10 +56,10 @@ class _Read:
 class Reader:
     """The read path of one file store: its read staging, and the requests of the last read into each host slot."""
 
-    def __init__(self, ctx: TierContext, cache_mode: str, chunks: IOPool, hashes: IOPool, lanes: Dict[str, IOPool],
+    def __init__(self, ctx: TierContext, cache_mode: str, chunks: IOPool, lanes: Dict[str, IOPool],
                  stuck: List[str], host_slots: Dict[int, HostBuffer]):
         self._ctx, self.cache_mode = ctx, cache_mode
-        self._chunks, self._hashes, self._lanes, self._stuck = chunks, hashes, lanes, stuck
+        self._chunks, self._lanes, self._stuck = chunks, lanes, stuck
         self._host_slots = host_slots  # page-aligned CPU slots the tier made, by address
         self.staging = StagingPool(ctx.allocator, max(ctx.depth, 0) + 1, "read")
         # host slot address -> the requests of the last read into it, which fill it: however that read ended
@@ -193,15 +156,9 @@ class Reader:
         mem = item[0].memory()
         into = target.memory() if target is not None else None
 
-        def read_chunk(off: int, n: int, expected: Optional[int], part: Optional[Tuple[int, int, "_Parts"]] = None):
-            """Reads the chunk at `off` (or one `part` of it: offset in the chunk, length, the chunk's parts); its
-            checksum follows (a part's share of it, in order)."""
+        def read_chunk(off: int, n: int, expected: Optional[int]) -> None:
+            """Reads the chunk at `off` and checks its checksum."""
             view = into[off - base:off - base + n] if into is not None else mem[off:off + n]
-            if part is not None:
-                start, size, parts = part
-                piece = view[start:start + size]
-                pread_exact(fd, piece, off + start, entry.path)
-                return Then(functools.partial(check_part, view, off, n, expected, parts, start, piece), self._hashes)
             if off == base:  # the header comes with the first chunk: one request fewer per layer
                 head = mem[:base]
                 pread_exact(fd, view, 0, entry.path, head=head)
@@ -211,16 +168,7 @@ class Reader:
                                       f"store wrote (first at byte {bad}). It was modified while in use.")
             else:
                 pread_exact(fd, view, off, entry.path)
-            return Then(functools.partial(check_chunk, view, off, n, expected), self._hashes)  # next request first
-
-        def check_part(view: memoryview, off: int, n: int, expected: Optional[int], parts: "_Parts", start: int,
-                       piece: memoryview) -> None:
-            got = parts.arrived(start, piece)
-            if got is not None:  # the chunk's last part to be hashed: the whole chunk is in
-                check_chunk(view, off, n, expected, got)
-
-        def check_chunk(view: memoryview, off: int, n: int, expected: Optional[int], got: Optional[int] = None) -> None:
-            if expected is not None and (digest(view) if got is None else got) != expected:
+            if expected is not None and digest(view) != expected:
                 raise corrupted(entry.path, off, n)
             if direct is not None and into is None:
                 with self._ctx.streams.timed("transfer"):
@@ -229,43 +177,11 @@ class Reader:
         jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes, entry.chunk), entry.digests)]
         jobs = jobs or [(base, 0, None)]  # an empty layer: its header is still read and compared
         what = f"the read of {entry.path}"
-        for job, part in self._requests(jobs):
-            self._chunks.submit(functools.partial(read_chunk, *job, part), what, into=read.requests)
+        for job in jobs:
+            self._chunks.submit(functools.partial(read_chunk, *job), what, into=read.requests)
             # Hands the GIL to the I/O thread just woken, which starts its read now instead of once every
-            # request is queued: file_sync's disk idled 0.93 instead of 1.07 ms per layer (docs/benchmark.md).
+            # request is queued (docs/benchmark.md).
             time.sleep(0)
-
-    def _requests(self, jobs: list) -> list:
-        """(chunk job, part) in the order they are queued: whole chunks in file order, then the last wave's
-        parts round by round (every chunk's first part, then every chunk's second, ...). So each chunk's parts
-        arrive spread over the wave and its checksum is mostly taken before its last part is in: at the end
-        only the last round's parts are left to hash."""
-        whole, rounds = [], {}
-        for index, job in enumerate(jobs):
-            parts = self._parts(index, len(jobs), job[1], job[2] is not None)
-            if parts == [None]:
-                whole.append((job, None))
-                continue
-            for place, part in enumerate(parts):
-                rounds.setdefault(place, []).append((job, part))
-        return whole + [request for place in sorted(rounds) for request in rounds[place]]
-
-    def _parts(self, index: int, count: int, n: int, hashing: bool) -> List[Optional[Tuple[int, int, "_Parts"]]]:
-        """How chunk `index` of `count` (`n` bytes; `hashing`: it has a digest to check) is requested: whole
-        (`[None]`), or, in `file_sync`, for the last wave of a layer (its last `workers` chunks, never the first,
-        which carries the header), as `TAIL_PARTS` requests.
-
-        A `file_sync` read ends when its slowest last request does, and the disk's queue drains while the last
-        wave's requests end one by one: shorter requests there keep it fuller up to the layer's end, and the
-        chunk's checksum, taken part by part as they arrive, leaves only a part's share of it after the last
-        read. Not in `file_async`, whose start lane queues the next layer's requests behind these, so its queue
-        never drains at a layer's end (docs/benchmark.md has the measurements)."""
-        part = (n // TAIL_PARTS) // ALIGN * ALIGN
-        if self._lanes or index == 0 or index < count - self._chunks.workers or part == 0:
-            return [None]
-        starts = range(0, n, part)
-        parts = _Parts(list(starts), hashing)
-        return [(start, min(part, n - start), parts) for start in starts]
 
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, read: _Read) -> Fence:
         """Waits for `read`'s requests and, into a device slot, copies the layer there; the fence of that copy."""

@@ -1,8 +1,8 @@
 """Writing layer files for the file tiers: chunked, checksummed, atomic, and safe to interrupt anywhere.
 
 A layer goes out chunk by chunk through a small ring of chunk-sized staging buffers: each chunk is copied (on
-the consumer's stream) into a free buffer and its write queued to the I/O threads at once; the hash threads
-checksum it beside the I/O, and the buffer is free again when both are done. So the copy of a layer overlaps
+the consumer's stream) into a free buffer and its write queued to the I/O threads at once; the thread that
+wrote it takes its checksum, and the buffer is free again. So the copy of a layer overlaps
 its writes, the next layer's chunks queue behind this one's without the disk going idle, and the staging a
 write holds is a few chunks whatever the layer size. The file is created under a temp name with its whole
 size allocated first (a full disk fails right there, in `put`), its data apart from its header, so that the
@@ -29,7 +29,7 @@ from ..base import TierContext
 from .fileos import Handle
 from .fileio import CHECKSUM, KVWriteError, chunks, digest
 from .filesave import discard, finish_write, pwrite_all, reserve
-from .iopool import IOPool, IOStuckError, Then, wait_all, when_done
+from .iopool import IOPool, IOStuckError, wait_all, when_done
 from .staging import StagingPool
 
 FORMAT = {"format": "kv_offload.layer", "version": "2"}
@@ -94,11 +94,8 @@ class _Lease:
 def layer_chunk(data_bytes: int, request: int) -> int:
     """Bytes per chunk (one request, one digest) of a layer of `data_bytes`: the tier's request size, or, for a
     layer of less than four of them, a quarter of the layer rounded up to a power of two and never under the
-    disk's grain (`fileos.RESERVE_GRAIN`). A small layer read as one request keeps the disk one request deep
-    where it wants several: 8 MiB layers in `file_async` on this project's disk got 2.07 GiB/s as one 8 MiB
-    request each, 2.82 as four of 2 MiB (raw 3.40; 5 rounds); `file_sync` 1.86 and 2.07. Their writes, which
-    the staging bounds in requests rather than bytes, went 1.18 -> 1.16 and 1.31 -> 1.11 GiB/s in the same
-    runs: a capture writes each layer once, every step reads it."""
+    disk's grain (`fileos.RESERVE_GRAIN`): a small layer read as one request keeps the disk one request deep
+    where it wants several (docs/benchmark.md, "Layer size")."""
     quarter = 1 << max(0, data_bytes // 4 - 1).bit_length()
     return min(request, max(fileos.RESERVE_GRAIN, quarter))
 
@@ -113,36 +110,20 @@ class Writer:
     """The write path of one file store: its ring of chunk staging buffers, the writes in flight, the first
     write error."""
 
-    def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunk: int, chunks: IOPool, hashes: IOPool,
-                 lane: IOPool, stuck: List[str], writes: int = 0):
+    def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunk: int, chunks: IOPool, lane: IOPool,
+                 stuck: List[str]):
         self._ctx, self.directory, self.cache_mode, self.chunk = ctx, directory, cache_mode, chunk
-        self._chunks, self._hashes, self._lane, self._stuck = chunks, hashes, lane, stuck
-        # A chunk per write in flight (`writes`, default one per I/O thread), one being checksummed and one being
-        # copied: the disk's queue stays full while the consumer copies the next chunk. The I/O threads may be
-        # more (reads want more in flight than this staging allows writes); the staging bounds the writes.
-        self.staging = StagingPool(ctx.allocator, (writes or chunks.workers) + 2, "write")
+        self._chunks, self._lane, self._stuck = chunks, lane, stuck
+        # A chunk per I/O thread and two more: the disk's queue stays full while the consumer copies the next.
+        self.staging = StagingPool(ctx.allocator, chunks.workers + 2, "write")
         self.failed: Optional[BaseException] = None
         self._writing = 0  # layers queued or being written; changed under _count_lock
-        self._trim_queued = False
         self._count_lock = threading.Lock()
 
-    def trim_if_idle(self, wait: bool = False) -> None:
-        """Frees the write staging once no write is in flight (the capture is over: it would only hold RAM).
-
-        On the write lane, behind the last finish, unless `wait`: unmapping a few dozen MiB of touched pages
-        takes milliseconds that the first read after the puts should not wait for. A put meanwhile only waits
-        for the buffers the trim holds (it takes the free ones and gives them back empty)."""
-        if self._writing != 0 or not self.staging.buffers():
-            return
-        if wait:
+    def trim_if_idle(self) -> None:
+        """Frees the write staging once no write is in flight (the capture is over: it would only hold RAM)."""
+        if self._writing == 0 and self.staging.buffers():
             self.staging.trim()
-        elif not self._trim_queued:
-            self._trim_queued = True
-            self._lane.submit(self._trim, "freeing the write staging")
-
-    def _trim(self) -> None:
-        self._trim_queued = False
-        self.staging.trim()
 
     def write(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout, path: str) -> LayerFile:
         """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole).
@@ -174,7 +155,7 @@ class Writer:
 
     def _queue_writes(self, job: "_Write", entry: LayerFile, k: torch.Tensor, v: torch.Tensor, pieces) -> None:
         """Copies the layer chunk by chunk into free staging buffers and queues each chunk's write as soon as it
-        is copied (its checksum follows on the hash threads; then its buffer is free again).
+        is copied (its request then takes its checksum and frees the buffer).
 
         The copies run on the consumer's stream: ordered after the producer and before anything that changes
         `k`/`v`. Waiting for a free buffer waits for an earlier chunk's write (bounded).
@@ -182,18 +163,11 @@ class Writer:
         streams, base = self._ctx.streams, len(entry.header)
         size = pieces[0][1] if pieces else 0
 
-        def write_chunk(lease: _Lease, offset: int, n: int) -> Then:
+        def write_chunk(lease: _Lease, offset: int, n: int) -> int:
             try:
                 lease.item[1].synchronize()  # the copy into the buffer has finished
                 view = lease.item[0].memory()[:n]
                 pwrite_all(job.file, view, offset, job.tmp, entry.total)
-            except BaseException:
-                lease.give_back()
-                raise
-            return Then(functools.partial(hash_chunk, lease, view), self._hashes)  # the worker takes the next request
-
-        def hash_chunk(lease: _Lease, view: memoryview) -> int:
-            try:
                 return digest(view)
             finally:
                 lease.give_back()  # before the future completes: whoever waited for the chunk finds its buffer back

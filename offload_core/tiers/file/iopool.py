@@ -9,9 +9,9 @@ ones still running were doing, so the caller can abandon them (and the buffers t
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -41,18 +41,6 @@ def load_timeout() -> float:
 
 class IOStuckError(TimeoutError):
     """An I/O job did not finish in time and may still be running: whatever buffer it uses must not be reused."""
-
-
-class Then:
-    """What a job returns to go on with `fn()` as the rest of the same job, on `pool`: the worker goes on to
-    its next request at once (a chunk's checksum after its read or write runs on other threads, so hashing
-    never keeps a request from the disk). A worker with no request waiting runs `fn()` itself. The job's
-    future completes with `fn()`'s result."""
-
-    __slots__ = ("fn", "pool")
-
-    def __init__(self, fn: Callable, pool: "IOPool"):
-        self.fn, self.pool = fn, pool
 
 
 class IOPool:
@@ -95,17 +83,8 @@ class IOPool:
                 future.add_done_callback(done)
             if into is not None:
                 into.append(future)
-            self._jobs.put((future, fn, what, False))
+            self._jobs.put((future, fn, what))
         return future
-
-    def _continue(self, future: Future, fn: Callable, what: str) -> None:
-        """Queues the rest of a job another pool started (its future is running already)."""
-        with self._lock:
-            queued = not self._closed
-            if queued:
-                self._jobs.put((future, fn, what, True))
-        if not queued:
-            future.set_exception(_shut(self.name, what))
 
     def _work(self) -> None:
         me = threading.current_thread()
@@ -113,30 +92,19 @@ class IOPool:
             item = self._jobs.get()
             if item is None:
                 return
-            future, fn, what, continued = item
-            if not continued and not future.set_running_or_notify_cancel():
+            future, fn, what = item
+            if not future.set_running_or_notify_cancel():
                 continue
             with self._lock:
                 self._running[me] = what
-            result = None
             try:
-                result = fn()
-                while isinstance(result, Then) and self._jobs.empty():
-                    # No request waits for this worker: it goes on with the rest itself instead of waking a
-                    # thread of the other pool (a wake-up costs 70 us on the 2-core machine; the last
-                    # checksums of a `file_sync` layer lie between its last read and the next layer's first).
-                    result = result.fn()
+                future.set_result(fn())
             except BaseException as exc:  # handed to whoever waits; the worker lives on
                 future.set_exception(exc)
-            else:
-                if isinstance(result, Then):
-                    result.pool._continue(future, result.fn, what)
-                else:
-                    future.set_result(result)
             finally:
                 with self._lock:
                     self._running.pop(me, None)
-            del item, future, fn, result  # drop references to buffers before blocking on the next job
+            del item, future, fn  # drop references to buffers before blocking on the next job
 
     def shutdown(self, timeout: float) -> List[str]:
         """Cancels queued jobs and waits up to `timeout` s for running ones; returns what is still running."""
@@ -151,67 +119,23 @@ class IOPool:
                 break
         while self._taken:
             item = self._taken[0]
-            if item is not None and not item[0].cancel() and not item[0].done():  # a started job's rest ends here
-                item[0].set_exception(_shut(self.name, item[2]))
+            if item is not None:
+                item[0].cancel()
             del self._taken[0]
         for _ in self._threads:  # one each, started or not (one whose start was interrupted may run yet)
             self._jobs.put(None)
-        deadline = _now() + timeout
+        deadline = time.monotonic() + timeout
         for thread in self._threads:
             if thread.ident is not None:  # started (a Ctrl-C may have stopped the pool's making before a start)
-                thread.join(max(0.0, deadline - _now()))
+                thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
-
 
     def join(self) -> None:
         """After `shutdown`: waits, without a bound, for every thread to end (a job stuck in the kernel returns)."""
         for thread in self._threads:
             if thread.ident is not None:
                 thread.join()
-
-
-def _shut(name: str, what: str) -> RuntimeError:
-    return RuntimeError(f"KV offload: I/O pool {name} was shut down before {what} finished.")
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
-
-
-class _Latch:
-    """Opens once every future of a batch is done, or as soon as one fails. Each future's result is taken by
-    the thread that finishes it, so the waiter wakes once and finds them collected: `concurrent.futures.wait`
-    instead installs and removes a waiter on every future, under all their locks, at each call (45 us for 20
-    futures on the 2-core machine, about three times that right after the wait, and a `file_sync` read runs
-    it on the way from one layer's last request to the next layer's first)."""
-
-    __slots__ = ("results", "failed", "opened", "_left", "_lock")
-
-    def __init__(self, futures: List[Future]):
-        self.results: list = [None] * len(futures)
-        self.failed = False
-        self.opened = threading.Event()
-        self._left = len(futures)
-        self._lock = threading.Lock()
-        if not futures:
-            self.opened.set()
-        for index, future in enumerate(futures):
-            future.add_done_callback(functools.partial(self._done, index))
-
-    def _done(self, index: int, future: Future) -> None:
-        try:
-            self.results[index] = future.result()
-            failed = False
-        except BaseException:  # its error, or its cancellation: the waiter reads them in order
-            failed = True
-        with self._lock:
-            self._left -= 1
-            self.failed = self.failed or failed
-            if failed or not self._left:
-                self.opened.set()
 
 
 def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = None) -> list:
@@ -223,25 +147,17 @@ def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = No
     """
     futures = list(futures)
     limit = io_timeout() if timeout is None else timeout
-    deadline = _now() + limit
-    latch = _Latch(futures)
-    if latch.opened.wait(limit) and not latch.failed:
-        return latch.results
-    pending = [f for f in futures if not f.done()]  # a failure, or the time is up
-    error = next((f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()), None)
-    if pending:
-        if error is not None:
-            for f in pending:
-                f.cancel()
-        _, pending = cf.wait([f for f in pending if not f.cancelled()], timeout=max(0.0, deadline - _now()))
-    if pending:
+    deadline = time.monotonic() + limit
+    _, pending = cf.wait(futures, limit, return_when=cf.FIRST_EXCEPTION)
+    if pending:  # one failed, or the time is up: the queued ones never start, the running ones are waited for
         for f in pending:
-            f.cancel()  # the queued ones never start; the running ones are what is stuck
+            f.cancel()
+        _, pending = cf.wait(pending, max(0.0, deadline - time.monotonic()))
+    if pending:
+        error = next((f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()), None)
         raise IOStuckError(f"KV offload: {what} did not finish within {limit:g} s ({len(pending)} of {len(futures)} "
                            "requests still running): the disk or network filesystem is not answering. Raise "
                            "KV_OFFLOAD_IO_TIMEOUT_S if it is only slow.") from error
-    if error is not None:
-        raise error
     return [f.result() for f in futures]
 
 

@@ -1,9 +1,9 @@
 """The file tier (place `file`): one safetensors-compatible file per layer in a private directory.
 
 The tier owns the directory (locked while it lives, deleted at close), the thread pools and the layer
-entries; `filewrite.Writer` and `fileread.Reader` move the bytes, in the request size and with as many I/O threads
-as `diskfit` chose for the directory's disk; those threads do every chunk's `pwrite` / `preadv` and
-`HASH_THREADS` checksum the chunks beside them. Both tiers write the same way, in the
+entries; `filewrite.Writer` and `fileread.Reader` move the bytes in requests of `fileio.CHUNK`, `iopool.IO_DEPTH`
+at once (`KV_OFFLOAD_IO_REQUEST_MIB`, `KV_OFFLOAD_IO_DEPTH`); the I/O threads do every chunk's `pwrite` /
+`preadv` and its checksum. Both tiers write the same way, in the
 background: a write lane (one thread, first in first out) finishes each layer file once its chunks are on
 disk, while the next layer's chunks already queue. They differ in reading: `file_sync` reads a layer when it
 is asked for, `file_async` adds two read lanes (one that starts reads and one that finishes them, so a layer's
@@ -30,7 +30,7 @@ from ...host.hostmem import HostBuffer
 from ...layout import LayerLayout
 from ...places import FILE, PAGEABLE, PINNED
 from ..base import Pending, Tier, TierContext
-from . import diskfit
+from . import fileio, iopool
 from .fileappend import GrowingFiles
 from .fileio import KVWriteError, checksum_module, os_cause, probe_page_cache_mode, ram_backed
 from .fileowner import OwnedDir
@@ -39,10 +39,6 @@ from .filewrite import LayerFile, Writer
 from .iopool import IOPool, io_timeout
 
 log = logging.getLogger(__name__)
-
-# Threads checksumming chunks (xxh3 releases the GIL): two keep up with an NVMe drive and never delay a
-# request, since the I/O threads hand them each chunk and go on.
-HASH_THREADS = 2
 
 
 class FileTier(Tier):
@@ -66,12 +62,12 @@ class FileTier(Tier):
                                "folder, or pick a RAM mode.") from None
         self.directory = self._owner.path
         self._closed = False
-        self._chunks = self._hashes = None
+        self._chunks = None
         self._lanes: Dict[str, IOPool] = {}
         try:  # an interrupt (Ctrl-C, SIGTERM) while the tier is being made leaves no directory and no thread
             self._open(ctx, bypass, asynchronous)
         except BaseException:
-            for pool in [*self._lanes.values(), self._chunks, self._hashes]:
+            for pool in [*self._lanes.values(), self._chunks]:
                 if pool is not None:
                     pool.shutdown(io_timeout())
             self._owner.delete()
@@ -85,19 +81,19 @@ class FileTier(Tier):
             self.note = (f"{self.directory} is on {self.ram_fs}, which keeps files in RAM: the file tier saves no "
                          "RAM here; point `file_dir` at a disk, or use a RAM mode")
             log.warning("KV offload: %s.", self.note)
-        self.io = diskfit.pattern_for(self.directory, self.cache_mode, self.ram_fs)  # request size, requests at once
-        self._chunks = IOPool(self.io.reads, "kv_offload_io")  # writes take at most their staging's worth of them
-        self._hashes = IOPool(HASH_THREADS, "kv_offload_hash")  # checksums, beside the I/O, in completion order
+        request, depth = fileio.CHUNK, iopool.IO_DEPTH
+        self.io = {"request_bytes": request, "in_flight": depth, "pattern": f"{request >> 20}MiBx{depth}"}
+        self._chunks = IOPool(depth, "kv_offload_io")
         for name in ("write", "read_start", "read_finish") if asynchronous else ("write",):
             self._lanes[name] = IOPool(1, f"kv_offload_{name}")
         self._files: Dict[Hashable, LayerFile] = {}
         self._names = itertools.count()  # layer file numbers, shared by whole and growing layers
         self._stuck: List[str] = []  # I/O abandoned in the kernel, reported at close
         self._host_slots: Dict[int, HostBuffer] = {}  # page-aligned CPU slots made by new_slot, by address
-        self._writer = Writer(ctx, self.directory, self.cache_mode, self.io.request, self._chunks, self._hashes,
-                              self._lanes["write"], self._stuck, writes=self.io.depth)
+        self._writer = Writer(ctx, self.directory, self.cache_mode, request, self._chunks, self._lanes["write"],
+                              self._stuck)
         reads = {name: lane for name, lane in self._lanes.items() if name.startswith("read")}
-        self._reader = Reader(ctx, self.cache_mode, self._chunks, self._hashes, reads, self._stuck, self._host_slots)
+        self._reader = Reader(ctx, self.cache_mode, self._chunks, reads, self._stuck, self._host_slots)
         self._grow = GrowingFiles(ctx, self.directory, self.cache_mode, self._lanes["write"],
                                   self._lanes.get("read_start"), self._names)
 
@@ -165,7 +161,7 @@ class FileTier(Tier):
     def seal(self) -> None:
         """`flush`, then frees the write staging at once (the store takes no more puts)."""
         self.flush()
-        self._writer.trim_if_idle(wait=True)
+        self._writer.trim_if_idle()
 
     # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:
@@ -179,13 +175,13 @@ class FileTier(Tier):
     def info(self) -> Dict[str, object]:
         mode = self.cache_mode if self.ram_fs is None else f"{self.ram_fs}: in RAM"
         return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values())) + self._grow.count(),
-                "file_io": self.io.as_dict()}
+                "file_io": self.io}
 
     def _stop_io(self) -> List[str]:
         """Cancels queued I/O and waits (bounded, in total) for running I/O; returns what is still running."""
         deadline = time.monotonic() + io_timeout()
         stuck: List[str] = []
-        for pool in [*self._lanes.values(), self._chunks, self._hashes]:  # each waits on the ones after it
+        for pool in [*self._lanes.values(), self._chunks]:  # each waits on the ones after it
             stuck += pool.shutdown(max(0.0, deadline - time.monotonic()))
         return stuck
 
