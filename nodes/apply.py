@@ -21,7 +21,7 @@ from ..offload_core.store.kvstore import KVStore
 from .families.detect import detect_family
 from .keys import PATCHES, TRANSFORMER_OPTIONS
 from .families.flux import is_flux_kv_cache_patch, is_ours
-from .readout.protocol import guarded
+from .readout.protocol import safe
 from .run.reuse import REUSE
 from .run.wrappers import RunSpec, add_cache_wrappers, add_readout_wrappers, remove_wrappers
 
@@ -57,7 +57,7 @@ def apply_offload(model, config: OffloadConfig, *, host: Callable, telemetry=Non
         add_readout_wrappers(m, telemetry)
         return m, _said(logging.INFO, " ".join([f"KV Offload: mode off on {family.name}: {family.off}.", *notes]))
     add_cache_wrappers(m, RunSpec(config=config, host=host, n_layers=family.layers(dm), family=family,
-                                  telemetry=guarded(telemetry), store_factory=store_factory,
+                                  telemetry=safe(telemetry), store_factory=store_factory,
                                   reuse=reuse if keeps else False))
     return m, _said(logging.INFO, " ".join([f"KV Offload: mode {config.mode.value} on {family.name}.", *notes]))
 

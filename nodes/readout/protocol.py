@@ -1,7 +1,7 @@
-"""What a run tells the memory readout, as methods: the null readout, and the guard that keeps sampling safe.
+"""What a run tells the memory readout, as methods: the null readout, and the wrapper that keeps sampling safe from it.
 
 `Readout` is the protocol and its null object (every call does nothing), so `run.telemetry.step()` is always
-valid and a misspelt call is an `AttributeError`. `guarded(readout)` wraps any readout (the hub, a node's view
+valid and a misspelt call is an `AttributeError`. `safe(readout)` wraps any readout (the hub, a node's view
 of it, a test's recorder) so that none of its failures reaches sampling: each is logged, at WARNING the first
 time per call and at DEBUG after that.
 
@@ -53,8 +53,8 @@ class Readout:
 NO_READOUT = Readout()
 
 
-class GuardedReadout(Readout):
-    """`inner`'s calls, each behind its own guard: a failing readout is logged and sampling goes on."""
+class SafeReadout(Readout):
+    """`inner`'s calls, each caught: a failing readout is logged and sampling goes on."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -90,8 +90,8 @@ class GuardedReadout(Readout):
         self._call("run_finished", lambda: self.inner.run_finished(run_id))
 
 
-def guarded(readout: Optional[Any]) -> Readout:
-    """The readout to call during a run: the null one for None, `readout` behind a guard otherwise."""
+def safe(readout: Optional[Any]) -> Readout:
+    """The readout to call during a run: the null one for None, `readout` wrapped in `SafeReadout` otherwise."""
     if readout is None or type(readout) is Readout:
         return NO_READOUT
-    return readout if isinstance(readout, GuardedReadout) else GuardedReadout(readout)
+    return readout if isinstance(readout, SafeReadout) else SafeReadout(readout)

@@ -52,7 +52,7 @@ def _default_memory_snapshot(device=None) -> dict:
     return memory_snapshot(device)
 
 
-def _guarded(what: str, read: Callable[[], Any]) -> Any:
+def _caught(what: str, read: Callable[[], Any]) -> Any:
     """`read()`, or None (unknown) when it raises: one section of the payload must not cost the others."""
     try:
         return read()
@@ -206,12 +206,12 @@ class TelemetryHub(Readout):
     def _payload(self, event: str) -> dict:
         stores = self._stores.collect()
         device = next((s.get("device") for s in stores if s.get("device")), None) or self._device
-        memory = _guarded("memory snapshot", lambda: self._memory(device))
+        memory = _caught("memory snapshot", lambda: self._memory(device))
         read = {str(device): memory}  # each device's figures read once per payload
 
         def device_memory(d: str) -> Optional[dict]:
             if d not in read:
-                read[d] = _guarded(f"memory snapshot of {d}", lambda: self._memory(d))
+                read[d] = _caught(f"memory snapshot of {d}", lambda: self._memory(d))
             return read[d]
 
         return {
@@ -224,9 +224,9 @@ class TelemetryHub(Readout):
             "memory": memory,
             "stores": stores,
             "totals": totals(stores, self._forwards),
-            "devices": _guarded("device figures", lambda: per_device(stores, device_memory)),
-            "reuse": _guarded("reuse snapshot", REUSE.snapshot),
-            **{key: _guarded(f"{key} summary", lambda ref=ref: _summary(ref)) for key, ref in self._sections.items()},
+            "devices": _caught("device figures", lambda: per_device(stores, device_memory)),
+            "reuse": _caught("reuse snapshot", REUSE.snapshot),
+            **{key: _caught(f"{key} summary", lambda ref=ref: _summary(ref)) for key, ref in self._sections.items()},
         }
 
     def _build(self, event: str) -> dict:

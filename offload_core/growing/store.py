@@ -25,7 +25,7 @@ import torch
 from ..store.codec import Compact, codec_for
 from ..config import HostServices, Mode, OffloadConfig
 from ..host.devices import unified_memory_reason
-from ..store.guards import Consumer, Owner, engine_mode, one_consumer
+from ..store.checks import Consumer, Owner, engine_mode, one_consumer
 from ..store.hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from ..host.hostmem import pin_room
 from ..store.layers import Layers

@@ -26,7 +26,7 @@ from .codec import Compact, codec_for
 from ..config import HostServices, Mode, OffloadConfig
 from .dedup import RowDedup, served_layout
 from ..host.devices import unified_memory_reason
-from .guards import Consumer, Owner, check_device, check_pair, engine_mode, one_consumer
+from .checks import Consumer, Owner, check_device, check_pair, engine_mode, one_consumer
 from .hostfacts import free_device_memory, free_host_memory, same_pool_reason
 from ..host.hostmem import pin_room
 from ..layout import LayerLayout, layout_for
@@ -135,7 +135,7 @@ class KVStore:
         """Finishes or cancels outstanding transfers, then frees every buffer and deletes every file.
 
         Idempotent; runs the same on normal completion, interruption and exceptions. In a forked child it only
-        marks the child's copy closed: the files, buffers and locks are the parent's (see `guards.Owner`).
+        marks the child's copy closed: the files, buffers and locks are the parent's (see `checks.Owner`).
         """
         if not self._owner.here:
             self.closed = True

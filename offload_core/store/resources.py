@@ -16,7 +16,7 @@ import torch
 
 from ..config import HostServices, OffloadConfig
 from ..host.devices import open_streams
-from .guards import Owner
+from .checks import Owner
 from .hostfacts import host_dir
 from ..host.hostmem import HostAllocator
 from .layers import Layers

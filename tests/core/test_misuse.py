@@ -166,7 +166,7 @@ def test_devices_the_store_cannot_serve_are_refused(device):
 
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_a_stream_device_is_accepted_where_torch_has_it(kind, monkeypatch):
-    from offload_core.store.guards import check_device
+    from offload_core.store.checks import check_device
 
     backend = getattr(torch, kind)
     if not backend.is_available():
@@ -236,7 +236,7 @@ def test_engine_calls_run_outside_inference_mode_and_autograd_whatever_the_calle
     # recorded; the caller's own modes are back as they were afterwards.
     import contextlib
 
-    from offload_core.store.guards import engine_mode
+    from offload_core.store.checks import engine_mode
 
     @engine_mode
     def inside():

@@ -1,4 +1,4 @@
-"""The store's guards against misuse: engine calls outside inference mode, one consumer thread, valid devices
+"""The store's checks against misuse: engine calls outside inference mode, one consumer thread, valid devices
 and layer pairs. Each raises before anything is allocated, naming the value, the rule and the fix.
 """
 

@@ -1,12 +1,12 @@
-"""The ordering guards' mutation table: each fence removed in turn, and the test named after it must fail.
+"""The fences' mutation table: each fence removed in turn, and the test named after it must fail.
 
 A guard that no test notices when removed is untested. For every row below, this copies the checkout's
 files (those git tracks or would) into a scratch folder, replaces the guard's line(s) with a no-op, runs the row's tests on
 `SimCuda` against the copy, and reports whether they failed (they must) or passed (the table is broken). A row
 whose code is not found fails too: the table must follow the code.
 
-    python scripts/guard_mutations.py            # every row; exit 1 unless every mutant is caught
-    python scripts/guard_mutations.py --list     # the rows, each guard's code looked up, nothing run
+    python scripts/fence_mutations.py            # every row; exit 1 unless every mutant is caught
+    python scripts/fence_mutations.py --list     # the rows, each guard's code looked up, nothing run
 """
 
 from __future__ import annotations
