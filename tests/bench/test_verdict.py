@@ -31,7 +31,7 @@ def _free(device, ram, disk=100, unified=False):
 def test_the_cache_stays_on_a_device_it_fits_on_with_a_streamed_fallback_named():
     v = recommend(_rows(), _free(device=32, ram=64), WORKLOAD)
     assert (v["mode"], v["settings"], v["evidence"]) == ("gpu", {}, "gpu")
-    assert v["headline"].startswith("Use mode gpu on this machine")
+    assert v["headline"] == "For a real request on this machine, use mode gpu: the cache fits on the device"
     assert "fits in the device's free memory (12.0 GiB left beside the model)" in v["why"][0]
     # The streamed row keeping least on the device without being measurably slower; the lossy row is never one.
     assert "if that memory gets tight: 'ram_async' was not measurably slower" in v["why"][-1]
@@ -58,6 +58,28 @@ def test_on_unified_memory_no_ram_tier_is_picked_and_a_file_tier_slower_than_no_
     slow = recommend(_rows(file_times=(3.5, 3.6, 3.7)), _free(device=22, ram=22, unified=True), WORKLOAD)
     assert (slow["mode"], slow["evidence"]) == ("off", "none")
     assert "slower here than recomputing the prefix (3.60 vs 3.10 s, every request)" in slow["why"][1]
+
+
+def test_a_projection_names_its_request_says_so_and_says_which_measured_row_was_the_fastest():
+    # The run: the tiny model's rows, where file_async was not the fastest, and a real request's sizes,
+    # for which RAM is short on a CPU machine.
+    workload = dict(WORKLOAD, request="a real 1024x1024 Qwen-Image 2.1 request", projected=True,
+                    measured_cache_bytes=int(7.2 * 2**20))
+    v = recommend(_rows(), _free(device=22, ram=22, unified=True), workload)
+    assert v["headline"] == ("For a real 1024x1024 Qwen-Image 2.1 request on this machine (projected from its "
+                             "sizes), use mode file_async: the cache does not fit beside the model in memory")
+    assert v["projected"]
+    assert v["why"][1].startswith("measured here on the tiny built-in model: 'file_async_cold' 2.10 s")
+    assert v["why"][2].startswith("the fastest row here was 'gpu_fp8', 1.00 s against the pick's 2.10 (beyond the "
+                                  "noise): the rows ran a tiny stand-in whose 7.2 MiB cache fits anywhere here")
+    assert v["why"][2].endswith("the pick follows where the real request's 4.0 GiB cache fits")
+    # The benchmarked model itself: named, not a projection; a pick that was the fastest row is said to be.
+    fast = _rows(file_times=(0.5, 0.6, 0.7))
+    v = recommend(fast, _free(device=22, ram=22, unified=True),
+                  dict(WORKLOAD, request="this model's 1024x1024 request"))
+    assert v["headline"].startswith("For this model's 1024x1024 request on this machine, use mode file_async: ")
+    assert not v["projected"] and v["why"][1].startswith("measured here: ")
+    assert v["why"][2] == "'file_async_cold' was also the fastest row here"
 
 
 def test_the_notes_name_noisy_rows_and_a_busy_machine_and_stay_quiet_otherwise():
