@@ -249,6 +249,7 @@ def main(argv=None) -> int:
         from .plot import write_plot
 
         error = write_plot(args.plot, rows, verdict["headline"], str(args.device), footer=settings,
-                           recommended=verdict["evidence"], cautions=cautions, reasons=verdict["why"])
+                           recommended=verdict["evidence"], cautions=cautions, reasons=verdict["why"],
+                           unified=hw["free"]["unified"])
         print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
     return 0

@@ -107,9 +107,13 @@ def test_every_row_of_the_full_table_gets_its_own_colour_and_marker_and_the_axis
     assert len(set(COLOURS)) >= len(ALL_ROWS) and len(set(MARKERS)) >= len(ALL_ROWS)
     cpu = [{"peak_device_allocated": None, "peak_kv_device": 1}]
     cuda = [{"peak_device_allocated": 5, "peak_kv_device": 1}]
-    assert memory_axis(cpu, "cpu") == "peak K/V on the device (a CPU: its RAM), MiB (engine figure)"
+    # On a CPU the device's memory is the RAM: the axis counts K/V in RAM beside the ring's slots on the device.
+    assert memory_axis(cpu, "cpu") == ("K/V in the device's memory (a CPU: its RAM): peak on the device + in RAM, "
+                                       "MiB (engine figures)")
     assert "resident" not in memory_axis([{"peak_device_allocated": None, "peak_kv_device": 1}], "mps")
-    assert memory_axis(cuda, "cuda:0").startswith("peak VRAM allocated")
+    assert memory_axis(cpu, "cuda:0") == "peak K/V on the device (cuda:0), MiB (engine figure)"
+    assert memory_axis(cuda, "cuda:0") == "peak VRAM allocated by torch (MiB, max_memory_allocated)"
+    assert memory_axis(cuda, "cuda:0", unified=True).endswith("+ K/V in RAM (the same memory)")
 
 
 def test_a_pipeline_that_always_caches_is_told_so_when_nothing_fits():
