@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..cli import cliargs
-from ..places import GiB
+from ..places import DEVICE, FILE, PAGEABLE, PINNED, GiB
 from .pose import cli as posecli
 from .folder import check_model_folder
 from .rows import VERDICT_KEYS, select_rows
@@ -123,25 +123,36 @@ def _progress(total: int):
     return tqdm(total=total, desc="bench", unit="request", file=sys.stderr, leave=False)
 
 
+def _kv_held(kv: dict) -> int:
+    """The K/V of one request as a row holds it, counted once. A row that streams keeps every layer in RAM or
+    files, and its device bytes are the ring's slots (copies in transit) plus any resident layers; a row that
+    does not stream keeps it all on the device. The larger of the two is exact for both, and less for a row that
+    keeps layers resident (the maximum over the rows is then another row's)."""
+    return max(kv[DEVICE], kv[PINNED] + kv[PAGEABLE] + kv[FILE])
+
+
 def workload(args, rows: list[dict]) -> dict:
     """The request the recommendation is for: the benchmarked model itself when it has its real width; for the
-    tiny built-in one, the real pipeline it stands for at 1024x1024 (its weights, then not loaded, counted)."""
+    tiny built-in one, the real pipeline it stands for at 1024x1024 (its weights, then not loaded, counted), a
+    projection (`projected`) from sizes that the rows did not run. `request` names it in the headline."""
     import torch
 
     from . import fullsize
 
+    measured = max((_kv_held(r["kv_bytes"]) for r in rows), default=0)  # every row holds the same K/V
     if args.model is not None or args.size == "full":
-        cache = max((sum(r["kv_bytes"].values()) for r in rows), default=0)  # every row holds the same K/V
         what = f"this model ({args.resolution}x{args.resolution}, {args.images} condition image(s))"
-        return {"cache_bytes": cache, "other_device_bytes": fullsize.HEADROOM, "what": what,
-                "can_skip_cache": args.can_skip_cache}
+        return {"cache_bytes": measured, "other_device_bytes": fullsize.HEADROOM, "what": what,
+                "request": f"this model's {args.resolution}x{args.resolution} request", "projected": False,
+                "measured_cache_bytes": measured, "can_skip_cache": args.can_skip_cache}
     branches = 2 if args.pipeline == "qwen21" else 1  # Qwen-Image 2.1 runs true CFG; FLUX.2 [klein] is distilled
     cache = branches * fullsize.kv_bytes(args.pipeline, torch.bfloat16, args.images, 1024)
     weights = fullsize.PARAMETERS[args.pipeline] * 2
     what = (f"a real {fullsize.NAMES[args.pipeline]} request (1024x1024, {args.images} condition image(s), bf16"
             f"{', true CFG' if branches == 2 else ''}, beside its {weights / GiB:.0f} GiB of weights)")
     return {"cache_bytes": cache, "other_device_bytes": weights + fullsize.HEADROOM, "what": what,
-            "can_skip_cache": args.can_skip_cache}
+            "request": f"a real 1024x1024 {fullsize.NAMES[args.pipeline]} request", "projected": True,
+            "measured_cache_bytes": measured, "can_skip_cache": args.can_skip_cache}
 
 
 def run(args) -> tuple[list[dict], dict, str]:
@@ -238,6 +249,7 @@ def main(argv=None) -> int:
         from .plot import write_plot
 
         error = write_plot(args.plot, rows, verdict["headline"], str(args.device), footer=settings,
-                           recommended=verdict["evidence"], cautions=cautions, reasons=verdict["why"])
+                           recommended=verdict["evidence"], cautions=cautions, reasons=verdict["why"],
+                           unified=hw["free"]["unified"])
         print(error or f"Plot written to {args.plot}", file=sys.stderr if error else sys.stdout)
     return 0

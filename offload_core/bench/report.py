@@ -52,14 +52,31 @@ def device_memory_column(rows: list[dict]) -> tuple[str, str]:
     return "peak_kv_device", "peak KV MiB on the device (engine)"
 
 
-def memory_axis(rows: list[dict], device: str) -> str:
-    """The device-memory figure named for what it is on `device` (on a CPU the compute device's memory is RAM)."""
+def is_unified(device: str) -> bool:
+    """A CPU or MPS device computes from host RAM (an integrated CUDA part too, which only `hardware.free` knows)."""
+    return device.startswith(("cpu", "mps"))
+
+
+def device_memory(rows: list[dict], unified: bool) -> list[int]:
+    """Each row's bytes in the compute device's memory: the device-memory column's figure, and on a unified device
+    (whose memory is the RAM) its K/V in RAM too. A RAM mode's copy there sits in the same memory as the ring's
+    slots on the device, so it frees nothing (the reason the recommendation picks no RAM mode on such a device)."""
     field, _ = device_memory_column(rows)
+    return [(r[field] or 0) + (r["kv_bytes"][PINNED] + r["kv_bytes"][PAGEABLE] if unified else 0) for r in rows]
+
+
+def memory_axis(rows: list[dict], device: str, unified: bool | None = None) -> str:
+    """The `device_memory` figure named for what it is on `device` (on a CPU the compute device's memory is RAM)."""
+    unified = is_unified(device) if unified is None else unified
+    field, _ = device_memory_column(rows)
+    ram = " + K/V in RAM (the same memory)" if unified else ""
     if field == "peak_device_allocated":
-        return "peak VRAM allocated by torch (MiB, max_memory_allocated)"
-    where = "a CPU: its RAM" if device.startswith("cpu") else device
-    # "on the device", not "resident": the figure counts the ring's slots too (docs/glossary.md)
-    return f"peak K/V on the device ({where}), MiB (engine figure)"
+        return f"peak VRAM allocated by torch (MiB, max_memory_allocated){ram}"
+    if not unified:
+        # "on the device", not "resident": the figure counts the ring's slots too (docs/glossary.md)
+        return f"peak K/V on the device ({device}), MiB (engine figure)"
+    where = "a CPU: its RAM" if device.startswith("cpu") else f"{device}: the RAM"
+    return f"K/V in the device's memory ({where}): peak on the device + in RAM, MiB (engine figures)"
 
 
 def _range(r: dict) -> str:

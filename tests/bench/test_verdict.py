@@ -31,7 +31,7 @@ def _free(device, ram, disk=100, unified=False):
 def test_the_cache_stays_on_a_device_it_fits_on_with_a_streamed_fallback_named():
     v = recommend(_rows(), _free(device=32, ram=64), WORKLOAD)
     assert (v["mode"], v["settings"], v["evidence"]) == ("gpu", {}, "gpu")
-    assert v["headline"].startswith("Use mode gpu on this machine")
+    assert v["headline"] == "For a real request on this machine, use mode gpu: the cache fits on the device"
     assert "fits in the device's free memory (12.0 GiB left beside the model)" in v["why"][0]
     # The streamed row keeping least on the device without being measurably slower; the lossy row is never one.
     assert "if that memory gets tight: 'ram_async' was not measurably slower" in v["why"][-1]
@@ -60,6 +60,28 @@ def test_on_unified_memory_no_ram_tier_is_picked_and_a_file_tier_slower_than_no_
     assert "slower here than recomputing the prefix (3.60 vs 3.10 s, every request)" in slow["why"][1]
 
 
+def test_a_projection_names_its_request_says_so_and_says_which_measured_row_was_the_fastest():
+    # The run: the tiny model's rows, where file_async was not the fastest, and a real request's sizes,
+    # for which RAM is short on a CPU machine.
+    workload = dict(WORKLOAD, request="a real 1024x1024 Qwen-Image 2.1 request", projected=True,
+                    measured_cache_bytes=int(7.2 * 2**20))
+    v = recommend(_rows(), _free(device=22, ram=22, unified=True), workload)
+    assert v["headline"] == ("For a real 1024x1024 Qwen-Image 2.1 request on this machine (projected from its "
+                             "sizes), use mode file_async: the cache does not fit beside the model in memory")
+    assert v["projected"]
+    assert v["why"][1].startswith("measured here on the tiny built-in model: 'file_async_cold' 2.10 s")
+    assert v["why"][2].startswith("the fastest row here was 'gpu_fp8', 1.00 s against the pick's 2.10 (beyond the "
+                                  "noise): the rows ran a tiny stand-in whose 7.2 MiB cache fits anywhere here")
+    assert v["why"][2].endswith("the pick follows where the real request's 4.0 GiB cache fits")
+    # The benchmarked model itself: named, not a projection; a pick that was the fastest row is said to be.
+    fast = _rows(file_times=(0.5, 0.6, 0.7))
+    v = recommend(fast, _free(device=22, ram=22, unified=True),
+                  dict(WORKLOAD, request="this model's 1024x1024 request"))
+    assert v["headline"].startswith("For this model's 1024x1024 request on this machine, use mode file_async: ")
+    assert not v["projected"] and v["why"][1].startswith("measured here: ")
+    assert v["why"][2] == "'file_async_cold' was also the fastest row here"
+
+
 def test_the_notes_name_noisy_rows_and_a_busy_machine_and_stay_quiet_otherwise():
     rows = _rows(file_times=(1.0, 2.0, 3.0))
     assert [r["key"] for r in rows if r["noisy"]] == ["file_async_cold"]
@@ -85,9 +107,13 @@ def test_every_row_of_the_full_table_gets_its_own_colour_and_marker_and_the_axis
     assert len(set(COLOURS)) >= len(ALL_ROWS) and len(set(MARKERS)) >= len(ALL_ROWS)
     cpu = [{"peak_device_allocated": None, "peak_kv_device": 1}]
     cuda = [{"peak_device_allocated": 5, "peak_kv_device": 1}]
-    assert memory_axis(cpu, "cpu") == "peak K/V on the device (a CPU: its RAM), MiB (engine figure)"
+    # On a CPU the device's memory is the RAM: the axis counts K/V in RAM beside the ring's slots on the device.
+    assert memory_axis(cpu, "cpu") == ("K/V in the device's memory (a CPU: its RAM): peak on the device + in RAM, "
+                                       "MiB (engine figures)")
     assert "resident" not in memory_axis([{"peak_device_allocated": None, "peak_kv_device": 1}], "mps")
-    assert memory_axis(cuda, "cuda:0").startswith("peak VRAM allocated")
+    assert memory_axis(cpu, "cuda:0") == "peak K/V on the device (cuda:0), MiB (engine figure)"
+    assert memory_axis(cuda, "cuda:0") == "peak VRAM allocated by torch (MiB, max_memory_allocated)"
+    assert memory_axis(cuda, "cuda:0", unified=True).endswith("+ K/V in RAM (the same memory)")
 
 
 def test_a_pipeline_that_always_caches_is_told_so_when_nothing_fits():
