@@ -26,7 +26,7 @@ from ...offload_core.tiers import KVWriteError
 from .branch import CACHED, CAPTURE, PASS, BranchCache, ForwardState, ForwardWatcher, RunExtension, layer_bytes
 from ..keys import MULTI_GPU_KEY, RUN_KEY
 from ..once import warn_once
-from ..readout.protocol import guarded
+from ..readout.protocol import safe
 from .stores import StoreOpener
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class RunState:
         host: `HostServices` for this run (or None).
         n_layers: attention layers per forward (for the store's expected size).
         store_factory: None: each store is a `KVStore`; tests pass a stand-in with its signature.
-        telemetry: the readout (the hub, a node's view of it) or None; every call is guarded (`nodes/readout/protocol.py`).
+        telemetry: the readout (the hub, a node's view of it) or None; every call is caught (`nodes/readout/protocol.py`).
         devices: the family serves multi-GPU sampling's threads (`live_run`).
         patcher, model_options: the ModelPatcher sampling and the options that reach the forward (what prefix
             reuse keys by).
@@ -54,7 +54,7 @@ class RunState:
         self.config = config
         self.host = host
         self.n_layers = max(int(n_layers), 1)
-        self.telemetry = guarded(telemetry)
+        self.telemetry = safe(telemetry)
         self.opener = StoreOpener(host, self.telemetry, store_factory)  # opens and tracks every store of the run
         self.run_id = run_id or _uuid.uuid4().hex[:12]
         self.branches: dict[Hashable, BranchCache] = {}

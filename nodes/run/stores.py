@@ -58,7 +58,7 @@ def host_beside(host, others: Callable[[], Iterable]):
 class StoreOpener:
     """Opens the stores of one run and shows each in its readout.
 
-    host: the run's `HostServices` (or None). telemetry: the run's readout, guarded (`nodes/readout/protocol.py`).
+    host: the run's `HostServices` (or None). telemetry: the run's readout, wrapped by `safe` (`nodes/readout/protocol.py`).
     factory: builds one store with `KVStore`'s signature (None: `KVStore`); tests pass a stand-in. The config is
     not held here but given at each open: a family may change the run's config once the run began (Wan Animate 2).
     """

@@ -17,7 +17,7 @@ from .compiler import compiler_for_run
 from ..keys import RUN_KEY, TRANSFORMER_OPTIONS, WRAPPER_KEY
 from ..keys import MULTI_GPU_KEY
 from .state import live_run
-from ..readout.protocol import Readout, guarded
+from ..readout.protocol import Readout, safe
 from .reuse import ALWAYS, REUSE
 from .state import RunState
 
@@ -76,7 +76,7 @@ def add_cache_wrappers(m, spec: RunSpec) -> None:
 def add_readout_wrappers(m, telemetry) -> None:
     """Mode off: the readout still shows each run (its memory, no stores); nothing without a readout."""
     if telemetry is not None:
-        readout = guarded(telemetry)
+        readout = safe(telemetry)
         m.add_wrapper_with_key(OUTER_SAMPLE, WRAPPER_KEY, _readout_only(readout))
         m.add_wrapper_with_key(DIFFUSION_MODEL, WRAPPER_KEY, _readout_step(readout))
 

@@ -3,7 +3,7 @@
 import pytest
 
 from kv_offload_pack.nodes import keys
-from kv_offload_pack.nodes.readout.protocol import NO_READOUT, guarded
+from kv_offload_pack.nodes.readout.protocol import NO_READOUT, safe
 from kv_offload_pack.nodes.run.reuse import ReusableStore
 
 
@@ -17,10 +17,10 @@ def test_each_shared_key_keeps_its_value():
 
 def test_a_misspelt_readout_call_is_an_attribute_error():
     with pytest.raises(AttributeError):
-        guarded(object()).stpe()
+        safe(object()).stpe()
     with pytest.raises(AttributeError):
         NO_READOUT.stpe()
-    guarded(None).step()  # no readout: every call is valid and does nothing
+    safe(None).step()  # no readout: every call is valid and does nothing
 
 
 def test_a_store_method_not_served_is_not_reachable():
