@@ -2,7 +2,9 @@
 
 Every buffer is a private anonymous `mmap` viewed as a uint8 tensor: page-aligned, as `O_DIRECT` reads need
 (torch's CPU allocator only aligns to 64 bytes), in transparent huge pages from 2 MiB up where the OS has them
-(`HostBuffer`), and returned to the OS the moment it is freed. Pinning registers the
+(`HostBuffer`), and returned to the OS the moment it is freed — but for the file tiers' staging, whose idle
+buffers wait in `SPARES` for the next capture or store (given back lazily: the OS takes them at once when it
+needs the memory, else they are reused without a page fault). Pinning registers the
 existing pages (`cudaHostRegister`, or the host's own `pin`, e.g. ComfyUI's budgeted `pin_memory`) one layer
 at a time, never the whole cache up front; past the budget or when the driver refuses, the buffer stays
 pageable and the store reports `pinned_fallback`.
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import psutil
 import torch
@@ -48,8 +51,8 @@ class HostBuffer:
     From `HUGE_PAGE` up, where the OS offers transparent huge pages (Linux), the buffer starts on a huge-page
     boundary and asks for them (`MADV_HUGEPAGE`): a disk's DMA then takes each 2 MiB as one segment. With 4 KiB
     pages the physical pages of a buffer are as scattered as the machine's free memory, and a request whose
-    pages are scattered goes to the disk as several requests (docs/benchmark.md, "Huge pages"). The head and
-    tail of the mapping outside those pages are never touched.
+    pages are scattered goes to the disk as several requests; on a virtual disk that halved the read rate of
+    the file tiers (docs/benchmark.md). The head and tail of the mapping outside those pages are never touched.
     """
 
     __slots__ = ("tensor", "nbytes", "pinned", "_map", "_view")
@@ -83,12 +86,84 @@ class HostBuffer:
         start, length = self._view
         return memoryview(self._map)[start:start + length]
 
+    def lazy_free(self) -> None:
+        """Lets the OS take the buffer's pages whenever it needs memory; their content is lost then (`Spares`)."""
+        start, length = self._view
+        self._map.madvise(_MADV_FREE, start, length)
+
     def release(self) -> None:
         self.tensor = None
         try:
             self._map.close()
         except BufferError:  # a tensor or view of it is still alive; the mapping is unmapped when the last dies
             log.debug("host buffer still referenced at release; unmapped once the last view of it is gone")
+
+
+SPARE_BYTES = 64 << 20  # idle staging kept for reuse, at most: a file tier's write staging (48 MiB) and more
+_MADV_FREE = getattr(mmap, "MADV_FREE", None)  # Linux 4.5 and newer
+
+
+class Spares:
+    """Staging buffers that a pool let go of, kept for the next pool that wants one of the same size.
+
+    A fresh buffer costs a page fault per page at its first touch, and on a virtual machine that hands freed
+    memory back to its host (free page reporting) each of those faults goes to the host: 8 MiB took 7-13 ms
+    there, against 0.3 ms once touched, so a capture into fresh write staging ran at 85 % of the raw disk writer
+    and at 101 % into touched staging (tiers' put against an O_DIRECT ring writer, 1 GiB, 6 rounds). A kept
+    buffer is given back lazily (`MADV_FREE`): the OS takes its pages at once when it needs memory (they come
+    back zero-filled, which staging does not mind) and otherwise leaves them, so reuse costs nothing. At most
+    `limit` bytes are kept, the oldest dropped first; only where the OS has lazy freeing and huge pages.
+    """
+
+    def __init__(self, limit: int = SPARE_BYTES):
+        self.limit = limit
+        self._kept: List[HostBuffer] = []  # oldest first
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._kept)
+
+    def keep(self, buf: HostBuffer) -> bool:
+        """Keeps the unpinned `buf` (nothing may use it any more) for reuse; False where it is not kept (the
+        caller releases it)."""
+        if _MADV_FREE is None or not HUGE_PAGES or buf.pinned or buf.nbytes < HUGE_PAGE or buf.nbytes > self.limit:
+            return False
+        try:
+            buf.lazy_free()
+        except OSError:
+            return False
+        dropped = []
+        with self._lock:
+            while self._kept and sum(b.nbytes for b in self._kept) + buf.nbytes > self.limit:
+                dropped.append(self._kept.pop(0))
+            self._kept.append(buf)
+        for old in dropped:
+            old.release()
+        return True
+
+    def take(self, nbytes: int) -> Optional[HostBuffer]:
+        """A kept buffer of exactly `nbytes` (the newest), its every page written once, or None."""
+        with self._lock:
+            found = next((i for i in range(len(self._kept) - 1, -1, -1) if self._kept[i].nbytes == nbytes), None)
+            buf = None if found is None else self._kept.pop(found)
+        if buf is not None:
+            # A write per page ends its lazy freeing before any use: the OS can no longer drop a page that a
+            # device or an O_DIRECT read fills next (kernels before 6.0 could, under memory pressure).
+            buf.tensor[::PAGE].fill_(0)
+        return buf
+
+    def clear(self) -> None:
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for buf in kept:
+            buf.release()
+
+
+SPARES = Spares()
+if hasattr(os, "register_at_fork"):  # a child must not inherit the lock held by a parent's thread
+    os.register_at_fork(after_in_child=lambda: setattr(SPARES, "_lock", threading.Lock()))
 
 
 _HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the current device's
@@ -203,9 +278,9 @@ class HostAllocator:
         self.pageable_bytes = 0
         self.fallback_reason: Optional[str] = None
 
-    def alloc(self, nbytes: int) -> HostBuffer:
-        """A buffer of `nbytes`, pinned where it fits."""
-        buf = HostBuffer(nbytes)
+    def alloc(self, nbytes: int, spare: bool = False) -> HostBuffer:
+        """A buffer of `nbytes`, pinned where it fits; with `spare`, one that `free(..., spare=True)` kept, if any."""
+        buf = (SPARES.take(nbytes) if spare else None) or HostBuffer(nbytes)
         if self.pin and nbytes:
             fits = self._reserve(nbytes)  # before pinning, so two threads (or two stores) cannot overshoot
             why = "pin budget exhausted"
@@ -273,8 +348,8 @@ class HostAllocator:
                          "of it in use by all stores")
         return "; ".join(parts) or "the host's pinned-memory budget"
 
-    def free(self, buf: HostBuffer) -> None:
-        """Unpins and releases `buf`."""
+    def free(self, buf: HostBuffer, spare: bool = False) -> None:
+        """Unpins and releases `buf`; with `spare`, keeps it in `SPARES` for a later `alloc(..., spare=True)`."""
         if buf.tensor is None:
             return
         if buf.pinned:
@@ -286,4 +361,5 @@ class HostAllocator:
         else:
             with self._lock:
                 self.pageable_bytes -= buf.nbytes
-        buf.release()
+        if not (spare and SPARES.keep(buf)):
+            buf.release()

@@ -13,6 +13,7 @@ from typing import Optional
 import psutil
 import torch
 
+from . import hostmem
 
 SNAPSHOT_VERSION = 1
 _UNLIMITED = 1 << 60
@@ -69,7 +70,8 @@ def _device_figures(device: torch.device) -> tuple:
 def memory_snapshot(device=None) -> dict:
     """A plain dict: {"v", "process": {...}, "device": {...}, "system": {...}}; `None` for what is unknown.
 
-    process: rss; and the torch allocator's figures on `device`
+    process: rss; spare_staging, the file tiers' idle staging kept for the next store (part of rss, but the OS
+        takes it back whenever it needs memory: `hostmem.Spares`); and the torch allocator's figures on `device`
         (CUDA: device_allocated, device_reserved, device_peak_allocated; MPS: mps_current_allocated,
         mps_driver_allocated).
     device: type, name, total, free (CUDA, device-wide) or recommended_max (MPS), integrated.
@@ -78,7 +80,8 @@ def memory_snapshot(device=None) -> dict:
     device = torch.device(device) if device is not None else _default_device()
     process, wide = _device_figures(device)
     vm, swap = psutil.virtual_memory(), psutil.swap_memory()
-    process = {"pid": os.getpid(), "rss": psutil.Process().memory_info().rss, **process}
+    process = {"pid": os.getpid(), "rss": psutil.Process().memory_info().rss, "spare_staging": hostmem.SPARES.nbytes,
+               **process}
     system = {
         "ram_total": int(vm.total), "ram_available": int(vm.available),
         "swap_used": int(swap.used), "swap_total": int(swap.total),

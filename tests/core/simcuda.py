@@ -316,8 +316,8 @@ def _install(monkeypatch, streams, wait, sims) -> None:
     monkeypatch.setattr(hostmem, "_cuda_unregister", lambda tensor: None)
     alloc = hostmem.HostAllocator.alloc
 
-    def tracked_alloc(allocator, nbytes):
-        buf = alloc(allocator, nbytes)
+    def tracked_alloc(allocator, nbytes, spare=False):
+        buf = alloc(allocator, nbytes, spare)
         for sim in sims:
             sim.track_host_buffer(buf)
         return buf

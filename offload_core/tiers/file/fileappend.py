@@ -70,7 +70,7 @@ class GrowingFiles:
         next_at(f.blocks, key, at, k.shape[1])
         layout = layout_for(k, v)
         streams = self._ctx.streams
-        buf = self._ctx.allocator.alloc(layout.data_bytes)
+        buf = self._ctx.allocator.alloc(layout.data_bytes, spare=True)
         try:
             side = streams.side
             if side is not None:  # ordered after the consumer's write of the block, before any later load into its slot
@@ -81,7 +81,7 @@ class GrowingFiles:
                 streams.copy(dst_v, v, non_blocking=buf.pinned and side is not None)
             fence = streams.record(side)
         except BaseException:
-            self._ctx.allocator.free(buf)
+            self._ctx.allocator.free(buf, spare=True)
             raise
         index, offset = len(f.blocks), f.size
         f.blocks.append(Block(at, k.shape[1], layout))
@@ -100,7 +100,7 @@ class GrowingFiles:
                 self.failed = self.failed or exc
                 raise
             finally:
-                self._ctx.allocator.free(buf)
+                self._ctx.allocator.free(buf, spare=True)
 
         self._write.submit(write, f"the append to {f.path}", into=f.writes)
         self._queued.append(f.writes[-1])
@@ -123,7 +123,7 @@ class GrowingFiles:
                 raise
             except BaseException as exc:
                 raise KVFileError(f"KV layer file {f.path!r} was never written whole ({exc}).") from exc
-            staging = self._ctx.allocator.alloc(total)
+            staging = self._ctx.allocator.alloc(total, spare=True)
             try:
                 mem = staging.memory()
                 pread_exact(f.handle, mem[:total], 0, f.path)
@@ -133,7 +133,7 @@ class GrowingFiles:
                         raise corrupted(f.path, off, n)
                 return self._copy(staging, f, blocks, k, v, release)
             finally:
-                self._ctx.allocator.free(staging)
+                self._ctx.allocator.free(staging, spare=True)
 
         if self._read is None:
             return Pending(read())

@@ -3,7 +3,8 @@
 A buffer comes back with the fence of the last device copy out of it and is overwritten only after that copy
 has finished. A buffer that an abandoned (stuck) I/O request may still write into is never reused or freed:
 `quarantine` replaces it by an empty place, so the pool keeps its size and nothing reads memory the kernel
-may still be filling.
+may still be filling. Buffers the pool frees go to `hostmem.SPARES`, and a buffer it needs comes from there
+when one of that size waits: the next capture, or the next store, then writes into memory already touched.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ class StagingPool:
         try:
             item[1].synchronize()  # the device copy out of this buffer has finished: safe to overwrite
             if item[0] is None or item[0].nbytes < nbytes:
-                old, item[0] = item[0], None
+                old, item[0] = item[0], None  # the place lets go first: a buffer kept for reuse is never also ours
                 if old is not None:
-                    self._allocator.free(old)
-                item[0] = self._allocator.alloc(nbytes)
+                    self._allocator.free(old, spare=True)
+                item[0] = self._allocator.alloc(nbytes, spare=True)
         except BaseException:
             self._free.put(item)  # a failed allocation must not shrink the pool (the next acquire would hang)
             raise
@@ -81,7 +82,7 @@ class StagingPool:
                 item[1].synchronize()
                 if item[0] is not None:
                     buffer, item[0], item[1] = item[0], None, DONE
-                    self._allocator.free(buffer)
+                    self._allocator.free(buffer, spare=True)
         finally:
             for item in idle:
                 self._free.put(item)
@@ -95,7 +96,7 @@ class StagingPool:
             item[1].synchronize()
             buffer, item[0] = item[0], None
             if buffer is not None and not abandoned_io:
-                self._allocator.free(buffer)
+                self._allocator.free(buffer, spare=True)
         if abandoned_io:
             if self._abandoned:
                 log.warning("KV offload: %d staging buffer(s) left to stuck I/O requests are not freed",
