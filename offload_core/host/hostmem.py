@@ -51,8 +51,8 @@ class HostBuffer:
     From `HUGE_PAGE` up, where the OS offers transparent huge pages (Linux), the buffer starts on a huge-page
     boundary and asks for them (`MADV_HUGEPAGE`): a disk's DMA then takes each 2 MiB as one segment. With 4 KiB
     pages the physical pages of a buffer are as scattered as the machine's free memory, and a request whose
-    pages are scattered goes to the disk as several requests; on a virtual disk that halved the read rate of
-    the file tiers (docs/benchmark.md). The head and tail of the mapping outside those pages are never touched.
+    pages are scattered goes to the disk as several requests (docs/benchmark.md, "Huge pages"). The head and
+    tail of the mapping outside those pages are never touched.
     """
 
     __slots__ = ("tensor", "nbytes", "pinned", "_map", "_view")
@@ -107,9 +107,8 @@ class Spares:
     """Staging buffers that a pool let go of, kept for the next pool that wants one of the same size.
 
     A fresh buffer costs a page fault per page at its first touch, and on a virtual machine that hands freed
-    memory back to its host (free page reporting) each of those faults goes to the host: 8 MiB took 7-13 ms
-    there, against 0.3 ms once touched, so a capture into fresh write staging ran at 85 % of the raw disk writer
-    and at 101 % into touched staging (tiers' put against an O_DIRECT ring writer, 1 GiB, 6 rounds). A kept
+    memory back to its host (free page reporting) each of those faults goes to the host: a fresh store's
+    capture is measurably slower without them (docs/benchmark.md, "Fresh write staging"). A kept
     buffer is given back lazily (`MADV_FREE`): the OS takes its pages at once when it needs memory (they come
     back zero-filled, which staging does not mind) and otherwise leaves them, so reuse costs nothing. At most
     `limit` bytes are kept, the oldest dropped first; only where the OS has lazy freeing and huge pages.
