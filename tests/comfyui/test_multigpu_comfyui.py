@@ -67,7 +67,7 @@ def test_an_interrupt_and_an_error_mid_run_leave_no_file_and_the_next_run_is_exa
     code, body = comfy.submit(bad)
     assert code == 200, body
     entry = comfy.wait(body["prompt_id"])
-    assert entry["status"]["status_str"] == "error" and "test failure" in str(entry["status"])
+    assert entry["status"]["status_str"] == "error" and "test failure" in str(entry["status"]), entry["status"]["messages"][-1]
     assert comfy.kv_files() == []
     clean = _latent(comfy, mode="file_async", seed=65)
     assert clean.equal(_latent(comfy, mode="gpu", seed=65))

@@ -174,8 +174,8 @@ class FileTier(Tier):
 
     def info(self) -> Dict[str, object]:
         mode = self.cache_mode if self.ram_fs is None else f"{self.ram_fs}: in RAM"
-        return {"page_cache": mode, "file_dir": self.directory, "files": sum(e.written for e in list(self._files.values())) + self._grow.count(),
-                "file_io": self.io}
+        files = sum(e.written for e in list(self._files.values())) + self._grow.count()
+        return {"page_cache": mode, "file_dir": self.directory, "files": files, "file_io": self.io}
 
     def _stop_io(self) -> List[str]:
         """Cancels queued I/O and waits (bounded, in total) for running I/O; returns what is still running."""
@@ -220,10 +220,9 @@ class FileTier(Tier):
             interrupt = interrupt or exc
         finally:
             self._files.clear()
-            if not abandoned:
+            if not abandoned:  # nothing reads into the host slots or writes the growing files any more
                 self._grow.close()  # the descriptors go before the directory (Windows refuses to delete open files)
-            if not abandoned:
-                self._host_slots.clear()  # the store drops its slots too; nothing reads into them any more
+                self._host_slots.clear()
             try:
                 self._owner.delete()
             except KeyboardInterrupt as exc:
