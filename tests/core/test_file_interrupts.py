@@ -15,7 +15,6 @@ import torch
 from filestores import MODES, file_store, layers, open_files
 from offload_core import KVStore, OffloadConfig
 from offload_core.tiers.file import fileowner, iopool
-from interrupt_lines import ctrl_c_at, lines_of
 from store_helpers import make_layers
 
 
@@ -247,47 +246,3 @@ def test_ctrl_c_while_a_file_tier_is_made_leaves_no_directory_or_thread(at, tmp_
     assert os.listdir(tmp_path) == []
     assert all(p._closed for p in made)
     assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
-
-
-def _read_lines():
-    from offload_core.tiers.file.fileread import Reader
-
-    return [(fn, line) for fn in (Reader.load, Reader._start_read, Reader._finish_read) for line in lines_of(fn)]
-
-
-@pytest.mark.sweep
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
-@pytest.mark.parametrize("mode", MODES)
-def test_ctrl_c_at_every_line_of_a_read_loses_nothing(mode, tmp_path, monkeypatch, wait_until):
-    """Ctrl-C at each line a get runs on the consumer's thread in the read path (all of it in `file_sync`; the
-    queueing of the two lane jobs in `file_async`): every layer then reads whole and exact into the same slots, and
-    once the requests already queued have run, every descriptor and staging place is back. (An interrupt on the
-    cleanup line itself leaves the read to the next get, which ends it first.)"""
-    from offload_core.tiers.file import fileio
-
-    monkeypatch.setattr(fileio, "CHUNK", 64 << 10)
-    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 10.0)
-    data = layers(3, shape=(1, 4, 256, 64))  # 512 KiB a layer: 8 chunks, the last wave in parts
-    store = file_store(mode, tmp_path, data, put=range(3))
-    store.flush()
-    store.get(0)
-    tier = store._tiers["file"]
-    staging = tier._reader.staging
-    wait_until(lambda: staging._free.qsize() == len(staging._all))  # the last read's end runs just after the get
-    fds = len(os.listdir("/proc/self/fd"))
-    interrupted = 0
-    for function, line in _read_lines():
-        with ctrl_c_at(function, line) as fired:
-            try:
-                store.get(1)
-            except KeyboardInterrupt:
-                pass
-        interrupted += bool(fired)
-        for key in (2, 1, 0):
-            k, v = store.get(key)
-            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1]), (function.__name__, line)
-        wait_until(lambda: len(os.listdir("/proc/self/fd")) == fds)
-        wait_until(lambda: staging._free.qsize() == len(staging._all))
-    assert interrupted >= (12 if mode == "file_async" else 35)
-    store.close()
-    assert os.listdir(tmp_path) == []
