@@ -131,12 +131,6 @@ class IOPool:
         with self._lock:
             return [self._running.get(t, "an unknown job") for t in self._threads if t.is_alive()]
 
-    def join(self) -> None:
-        """After `shutdown`: waits, without a bound, for every thread to end (a job stuck in the kernel returns)."""
-        for thread in self._threads:
-            if thread.ident is not None:
-                thread.join()
-
 
 def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = None) -> list:
     """Results of `futures` in order; the first error is raised only once none of them is still running.
