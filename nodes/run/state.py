@@ -83,19 +83,19 @@ class RunState:
         else:
             self._active[threading.get_ident()] = fwd
 
-    def serve(self, device, model) -> None:
+    def bind_thread(self, device, model) -> None:
         """This thread's forwards from now on: ComfyUI's device for the thread under multi-GPU sampling (None on
         one device) and the diffusion model it runs there (each device runs its own copy)."""
         self._local.device, self._local.model = device, model
 
     @property
     def thread_device(self):
-        """ComfyUI's device of this thread's forwards under multi-GPU sampling, else None (`serve`)."""
+        """ComfyUI's device of this thread's forwards under multi-GPU sampling, else None (`bind_thread`)."""
         return getattr(self._local, "device", None)
 
     @property
     def thread_model(self):
-        """The diffusion model this thread's forwards run, once a forward began on it (`serve`), else None."""
+        """The diffusion model this thread's forwards run, once a forward began on it (`bind_thread`), else None."""
         return getattr(self._local, "model", None)
 
     def begin_forward(self, uuids, ref_tokens: int, batch: int) -> ForwardState:

@@ -113,7 +113,7 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
         run = None
     if run is None:
         return executor(*args, **kwargs)
-    run.serve(to.get(MULTI_GPU_KEY), getattr(executor, "class_obj", None))  # ComfyUI's executor: the model
+    run.bind_thread(to.get(MULTI_GPU_KEY), getattr(executor, "class_obj", None))  # ComfyUI's executor: the model
     run.step(_device(args))
     return run_then(executor, args, kwargs, run.end_forward)  # a half-captured cond is dropped, never served
 

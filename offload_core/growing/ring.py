@@ -67,13 +67,13 @@ class PrefixRing:
                 slot = self._holding(key)
                 if slot is None:
                     self._stats.count_miss()
-                    slot = self._fill(key, self._spare(keep=ahead))
+                    slot = self._fill(key, self._free_slot(keep=ahead))
             for nxt in ahead:  # the next streamed prefixes load behind this layer's compute
                 if self._holding(nxt) is None:
-                    spare = self._spare({key, *ahead})
-                    if spare is None:
+                    free = self._free_slot({key, *ahead})
+                    if free is None:
                         break
-                    self._fill(nxt, spare)
+                    self._fill(nxt, free)
             if slot is None:
                 return None
             try:
@@ -101,7 +101,7 @@ class PrefixRing:
         tokens = self._committed(key)
         return next((s for s in self.slots if s.key == key and s.tokens == tokens), None)
 
-    def _spare(self, keep) -> Optional[PrefixSlot]:
+    def _free_slot(self, keep) -> Optional[PrefixSlot]:
         """An empty slot, else one holding a prefetch no longer expected (or a prefix that has grown since)."""
         keep = set(keep)
         empty = next((s for s in self.slots if s.key is None), None)

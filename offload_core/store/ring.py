@@ -127,7 +127,7 @@ class SlotRing:
             if slot is None and not direct:  # not prefetched: the consumer waits for the whole load
                 if key not in self._layers.resident:
                     self._stats.count_miss()
-                slot = self.load(key, self.spare(keep=ahead))
+                slot = self.load(key, self.free_slot(keep=ahead))
             self.prefetch(key, ahead)  # the next streamed layers' copies hide behind this layer's compute
             if slot is not None:
                 slot.pending.wait(self._streams.consumer())
@@ -163,7 +163,7 @@ class SlotRing:
     def holding(self, key: Hashable) -> Optional[Slot]:
         return next((s for s in self.slots if s.key == key), None)
 
-    def spare(self, keep: Iterable[Hashable]) -> Optional[Slot]:
+    def free_slot(self, keep: Iterable[Hashable]) -> Optional[Slot]:
         """An empty slot, else one holding a prefetch no longer expected (skipped block, changed order).
 
         Reusing a slot with a load still in flight is safe: copies into it are queued first-in-first-out on
@@ -177,10 +177,10 @@ class SlotRing:
         """Loads the layers `ahead` of `key` that no slot holds, into slots not needed by `key` or them."""
         for nxt in ahead:
             if self.holding(nxt) is None:
-                spare = self.spare({key, *ahead})
-                if spare is None:
+                free = self.free_slot({key, *ahead})
+                if free is None:
                     return
-                self.load(nxt, spare)
+                self.load(nxt, free)
 
     def release_current(self) -> None:
         if self.current is not None:

@@ -102,7 +102,7 @@ def test_qwen21_a_device_s_cache_reads_the_model_its_thread_runs():
     select = patched.object_patches["diffusion_model.select_prefix_cache"]
     run = RunState(config_from_inputs("ram_sync"), None, 3, KVStore, devices=True)
     other.select_prefix_cache = select
-    run.serve(torch.device("cpu", 1), other)
+    run.bind_thread(torch.device("cpu", 1), other)
     select(torch.ones(1, 4), 0, torch.device("cpu"), {RUN_KEY: run})
     assert run.extension((PREFIX_ENTRIES, "cpu:1")).dm is other and run.extension(PREFIX_ENTRIES) is None
     run.close()

@@ -99,7 +99,7 @@ def file_limits(directory: str, total: int, tried: List[Pattern], verified: Coll
             direct = direct and fd[1]
             write[pattern.label] = _run(pattern, total, lambda off, buf: os.pwrite(fd[0], buf, off), ring)
             os.close(fd[0])
-            _settle(path, direct)
+            _flush_to_disk(path, direct)
             fd = _open(path, os.O_RDONLY, direct)
             # Twice, the better kept: the tiers' get loop is the better of two passes too, and a disk with a
             # cache below the OS (a virtual disk) serves a second pass faster.
@@ -151,7 +151,7 @@ def _open(path: str, flags: int, direct: bool):
     return os.open(path, flags), False
 
 
-def _settle(path: str, direct: bool) -> None:
+def _flush_to_disk(path: str, direct: bool) -> None:
     if direct:
         return
     fd = os.open(path, os.O_RDONLY)
