@@ -221,7 +221,7 @@ def copy_range(dst: torch.Tensor, layout: LayerLayout, k: torch.Tensor, v: torch
 def _copy_run(dst: torch.Tensor, run: torch.Tensor, non_blocking: bool) -> None:
     """`dst` (bytes) <- `run`. Host to host, a contiguous tensor goes as one memmove on this thread, with the
     GIL released (not a negated view, whose bytes are not its values): torch splits a large copy over every
-    core and waits for the slowest part, which beside busy I/O and hash threads is far slower than one memmove
+    core and waits for the slowest part, which beside busy I/O threads is far slower than one memmove
     (figures in docs/benchmark.md, "Engine measurements")."""
     if dst.device.type == "cpu" and run.device.type == "cpu" and run.is_contiguous() and not run.is_neg():
         if dst.numel():
