@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from changes import _k_weight, _patch
+from scalers import Scaler, scaled
 
 ENV = "KV_OFFLOAD_TEST_SCALE"
 
@@ -46,20 +47,6 @@ def torch_norms(pipe):
 
 
 # -- a backend held as a partial or a callable object ------------------------------------------------------------
-def _scaled(original, factor, *args, **kwargs):
-    return original(*args, **kwargs) * factor
-
-
-class Scaler:
-    """A callable object as attention-patching packages install: its `factor` is state its `__call__` reads."""
-
-    def __init__(self, fn, factor):
-        self.fn, self.factor = fn, factor
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs) * self.factor
-
-
 def _backends():
     from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
 
@@ -74,7 +61,7 @@ def _set_backend(make):
 
 
 def partial_backend_setup(pipe):
-    return _set_backend(lambda original: functools.partial(_scaled, original, 1.0))
+    return _set_backend(lambda original: functools.partial(scaled, original, 1.0))
 
 
 def partial_backend(pipe):

@@ -14,6 +14,7 @@ from kv_offload_pack.nodes.run.reuse import REUSE
 
 from qwen21_tiny import Tiny21
 from reuse_nodes_helpers import Fills, own_cache, patched, queue
+from scalers import Scaler, scaled
 
 ENV = "KV_OFFLOAD_TEST_NODE_SCALE"
 SOURCE = '''
@@ -31,18 +32,6 @@ def _empty_registry():
     REUSE.reset()
     yield
     REUSE.reset()
-
-
-def _scaled(original, factor, *args, **kwargs):
-    return original(*args, **kwargs) * factor
-
-
-class Scaler:
-    def __init__(self, fn, factor):
-        self.fn, self.factor = fn, factor
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs) * self.factor
 
 
 def _attention(monkeypatch, make):
@@ -68,9 +57,9 @@ def _main_patch(monkeypatch):
 def _change(kind, monkeypatch):
     """Puts the starting state of `kind` in force; returns (change, undo)."""
     if kind == "partial":
-        sdpa = _attention(monkeypatch, lambda f: functools.partial(_scaled, f, 1.0))
-        return (lambda: setattr(F, "scaled_dot_product_attention", functools.partial(_scaled, sdpa, 1.01)),
-                lambda: setattr(F, "scaled_dot_product_attention", functools.partial(_scaled, sdpa, 1.0)))
+        sdpa = _attention(monkeypatch, lambda f: functools.partial(scaled, f, 1.0))
+        return (lambda: setattr(F, "scaled_dot_product_attention", functools.partial(scaled, sdpa, 1.01)),
+                lambda: setattr(F, "scaled_dot_product_attention", functools.partial(scaled, sdpa, 1.0)))
     if kind == "callable":
         _attention(monkeypatch, lambda f: Scaler(f, 1.0))
         return (lambda: setattr(F.scaled_dot_product_attention, "factor", 1.01),
