@@ -141,11 +141,9 @@ class PrefixRing:
 
     def cancel(self) -> None:
         """At close: queued loads cancelled (running ones finish; the tiers' close waits for them)."""
-        try:
-            for slot in self.slots:
-                slot.pending.cancel()
-        finally:
-            self.current = None
+        for slot in self.slots:  # a Ctrl-C here leaves the rest to the next close(), which cancels again
+            slot.pending.cancel()
+        self.current = None
 
     def drop(self) -> None:
         self.slots, self.current = [], None

@@ -235,11 +235,9 @@ class SlotRing:
     def cancel(self) -> None:
         """At close: loads still queued are cancelled (running ones finish); the slots stay until the tiers close."""
         self._served = None
-        try:
-            for slot in self.slots:
-                slot.pending.cancel()
-        finally:
-            self.current = None
+        for slot in self.slots:  # a Ctrl-C here leaves the rest to the next close(), which cancels again
+            slot.pending.cancel()
+        self.current = None
 
     def empty(self) -> None:
         """Between requests: waits for every load, then drops every slot's buffers, each given back to the tiers
