@@ -1,21 +1,6 @@
-"""Page-aligned host buffers, page-locked lazily within a budget, with a visible fallback to pageable memory.
-
-Every buffer is a private anonymous `mmap` viewed as a uint8 tensor: page-aligned, as `O_DIRECT` reads need
-(torch's CPU allocator only aligns to 64 bytes), in transparent huge pages from 2 MiB up where the OS has them
-(`HostBuffer`), and returned to the OS the moment it is freed — but for the file tiers' staging, whose idle
-buffers wait in `SPARES` for the next capture or store (given back lazily: the OS takes them at once when it
-needs the memory, else they are reused without a page fault). Pinning registers the
-existing pages (`cudaHostRegister`, or the host's own `pin`, e.g. ComfyUI's budgeted `pin_memory`) one layer
-at a time, never the whole cache up front; past the budget or when the driver refuses, the buffer stays
-pageable and the store reports `pinned_fallback`.
-
-The budget is one per process, shared by every store (both CFG branches of a run, several runs at once):
-- with a host pinning service (`HostServices.pin`, e.g. ComfyUI's `pin_memory` behind `ensure_pin_budget`)
-  the host's own budget is the one: the engine adds no cap of its own and pins until the host refuses;
-- without one, the engine pins with `cudaHostRegister` within `process_pin_budget()`: a quarter of the
-  physical RAM, fixed when it is first needed, shared by every store of the process.
-`OffloadConfig.pin_budget` caps one store further, inside that shared budget.
-"""
+"""Page-aligned host buffers (private anonymous `mmap`: `O_DIRECT` needs page alignment, torch's allocator gives 64
+bytes), pinned one layer at a time within one budget per process (docs/engine.md, "Layers, files and failures"),
+else pageable with one warning; unmapped when freed, except the staging kept in `SPARES`."""
 
 from __future__ import annotations
 
@@ -36,8 +21,7 @@ PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20  # a transparent huge page (x86-64; arm64 with 4 KiB base pages)
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 HUGE_PAGES = _MADV_HUGEPAGE is not None and hasattr(mmap, "MAP_PRIVATE")
-# Private memory where the OS has it (POSIX; `mmap` adds MAP_ANONYMOUS itself for fileno -1): Python's default
-# there is a shared mapping, which is memory of the in-RAM filesystem (shmem) and gets no transparent huge pages.
+# Private where the OS has it: Python's default is a shared (shmem) mapping, which gets no transparent huge pages.
 _PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
@@ -48,11 +32,8 @@ def round_up(n: int, align: int = 4096) -> int:
 class HostBuffer:
     """One page-aligned host allocation. `tensor` is a flat uint8 view; owned by the allocator that made it.
 
-    From `HUGE_PAGE` up, where the OS offers transparent huge pages (Linux), the buffer starts on a huge-page
-    boundary and asks for them (`MADV_HUGEPAGE`): a disk's DMA then takes each 2 MiB as one segment. With 4 KiB
-    pages the physical pages of a buffer are as scattered as the machine's free memory, and a request whose
-    pages are scattered goes to the disk as several requests (docs/benchmark.md, "Huge pages"). The head and
-    tail of the mapping outside those pages are never touched.
+    From `HUGE_PAGE` up (Linux) it starts on a huge-page boundary with `MADV_HUGEPAGE`, so a disk's DMA takes each
+    2 MiB as one segment (docs/benchmark.md, "Huge pages"); the mapping's slack around it is never touched.
     """
 
     __slots__ = ("tensor", "nbytes", "pinned", "_map", "_view")
@@ -62,8 +43,7 @@ class HostBuffer:
         length = max(round_up(nbytes, PAGE), PAGE)
         huge = huge and HUGE_PAGES and length >= HUGE_PAGE
         self._map = mmap.mmap(-1, length + (HUGE_PAGE if huge else 0), **_PRIVATE)
-        # Through a memoryview, which the tensor's storage keeps: while any tensor of the buffer lives (a view a
-        # caller still holds), `release` cannot unmap the memory under it; the mapping goes with the last one.
+        # The tensor's storage keeps this memoryview, so `release` cannot unmap memory a live view still uses.
         whole = torch.frombuffer(memoryview(self._map), dtype=torch.uint8)
         start = -whole.data_ptr() % HUGE_PAGE if huge else 0
         try:
@@ -81,8 +61,7 @@ class HostBuffer:
         self.pinned = False
 
     def memory(self) -> memoryview:
-        """The whole page-aligned buffer (`nbytes` rounded up to a page), for system calls (O_DIRECT reads and
-        writes)."""
+        """The whole page-aligned buffer (`nbytes` rounded up to a page), for system calls (O_DIRECT I/O)."""
         start, length = self._view
         return memoryview(self._map)[start:start + length]
 
@@ -104,14 +83,9 @@ _MADV_FREE = getattr(mmap, "MADV_FREE", None)  # Linux 4.5 and newer
 
 
 class Spares:
-    """Staging buffers that a pool let go of, kept for the next pool that wants one of the same size.
-
-    A fresh buffer costs a page fault per page at its first touch, and on a virtual machine that hands freed
-    memory back to its host (free page reporting) each of those faults goes to the host: a fresh store's
-    capture is measurably slower without them (docs/benchmark.md, "Fresh write staging"). A kept
-    buffer is given back lazily (`MADV_FREE`): the OS takes its pages at once when it needs memory (they come
-    back zero-filled, which staging does not mind) and otherwise leaves them, so reuse costs nothing. At most
-    `limit` bytes are kept, the oldest dropped first; only where the OS has lazy freeing and huge pages.
+    """Staging buffers a pool let go of, kept for the next pool wanting that size: reuse costs no page faults
+    (docs/benchmark.md, "Fresh write staging"). Kept buffers are lazily freed (`MADV_FREE`; pages the OS takes come
+    back zero-filled). At most `limit` bytes, oldest dropped first; only where the OS has lazy freeing and huge pages.
     """
 
     def __init__(self, limit: int = SPARE_BYTES):
@@ -125,8 +99,7 @@ class Spares:
             return sum(b.nbytes for b in self._kept)
 
     def keep(self, buf: HostBuffer) -> bool:
-        """Keeps the unpinned `buf` (nothing may use it any more) for reuse; False where it is not kept (the
-        caller releases it)."""
+        """Keeps the unpinned, unused `buf` for reuse; False where it is not kept (the caller releases it)."""
         if _MADV_FREE is None or not HUGE_PAGES or buf.pinned or buf.nbytes < HUGE_PAGE or buf.nbytes > self.limit:
             return False
         try:
@@ -148,8 +121,7 @@ class Spares:
             found = next((i for i in range(len(self._kept) - 1, -1, -1) if self._kept[i].nbytes == nbytes), None)
             buf = None if found is None else self._kept.pop(found)
         if buf is not None:
-            # A write per page ends its lazy freeing before any use: the OS can no longer drop a page that a
-            # device or an O_DIRECT read fills next (kernels before 6.0 could, under memory pressure).
+            # A write per page ends lazy freeing, else the OS may drop a page a DMA fills next (kernels < 6.0).
             buf.tensor[::PAGE].fill_(0)
         return buf
 
@@ -169,24 +141,19 @@ _HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context, not only the curre
 
 
 def _cuda_register(tensor: torch.Tensor) -> bool:
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel(), _HOST_REGISTER_PORTABLE)) == 0:
+    if int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel(), _HOST_REGISTER_PORTABLE)) == 0:
         return True
     _clear_cuda_error()
     return False
 
 
 def _clear_cuda_error() -> None:
-    """Resets the thread's last CUDA error left by a refused registration.
-
-    Otherwise the next kernel launch check on this thread reports it as its own failure (e.g. "out of memory").
-    """
+    """Resets the thread's CUDA error from a refused registration, which the next launch check would report."""
     clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
     if clear is not None:
         clear()
         return
     import ctypes
-
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             ctypes.CDLL(name).cudaGetLastError()
@@ -229,11 +196,8 @@ _process_lock = threading.Lock()
 
 
 def process_pin_budget() -> PinBudget:
-    """The budget of the pinning the engine does itself (no host service): a quarter of the physical RAM.
-
-    Page-locked memory cannot be swapped, so the engine never locks most of it; the figure is fixed at first
-    use and shared by every store of this process. A program may set `process_pin_budget().limit`.
-    """
+    """The engine's own pinning budget (no host service): a quarter of the physical RAM, as locked pages cannot
+    be swapped; fixed at first use, shared by every store of this process. A program may set its `limit`."""
     global _process_budget
     with _process_lock:
         if _process_budget is None:
@@ -252,12 +216,10 @@ def pin_room(store_cap: Optional[int], host_pins: bool) -> Optional[int]:
 class HostAllocator:
     """Allocates `HostBuffer`s; pins them while they fit the budgets and the pinner accepts.
 
-    Args:
-        pin: try to page-lock buffers at all (only meaningful when copies go to a CUDA device).
-        budget: bytes this allocator may keep pinned at once (`OffloadConfig.pin_budget`); None: no own cap.
-        pin_fn / unpin_fn: the host's pinning service; default `cudaHostRegister` / `cudaHostUnregister`.
-        shared: the budget shared with every other allocator; default `process_pin_budget()` when the engine
-            pins itself, none when the host pins (the host's service enforces its own budget).
+    `pin`: page-lock at all (for copies to a CUDA device); `budget`: bytes this allocator may keep pinned
+    (`OffloadConfig.pin_budget`), None for no own cap; `pin_fn` / `unpin_fn`: the host's pinning service, default
+    `cudaHostRegister` / `cudaHostUnregister`; `shared`: the budget shared with every allocator, by default
+    `process_pin_budget()` when the engine pins, none when the host does (its service keeps its own budget).
     """
 
     _PROCESS = object()
@@ -323,8 +285,7 @@ class HostAllocator:
             pinned = self._pin_fn(buf.tensor)
         except Exception as exc:  # a refused pin is a slower copy, never a failed request: said once, with this
             return f"the pinning service raised {type(exc).__name__}: {exc}"
-        # Anything but a bool is no answer: a truthy tensor (`t.pin_memory()` returns a pinned *copy*) would be
-        # taken for "pinned in place" and copied from asynchronously while it is pageable.
+        # Only a bool answers: a truthy tensor (`t.pin_memory()` returns a pinned *copy*) is not pinned in place.
         if not isinstance(pinned, bool) and type(pinned).__name__ != "bool_":
             raise ValueError(f"HostServices: `pin` returned {type(pinned).__name__} {pinned!r:.60}; it must "
                              "page-lock the tensor it is given in place and return True, or return False when it "

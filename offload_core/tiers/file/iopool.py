@@ -1,10 +1,6 @@
-"""A few daemon threads doing blocking file I/O, with bounded waits and a way to walk away from a stuck one.
-
-`concurrent.futures.ThreadPoolExecutor` joins its workers at interpreter exit, so one `pread` stuck in the
-kernel (a dead NFS server, a failing disk) would hang the process for ever. These workers are daemon
-threads: `shutdown(timeout)` cancels queued jobs, waits a bounded time for running ones and reports what the
-ones still running were doing, so the caller can abandon them (and the buffers they write into) and go on.
-"""
+"""Daemon threads for blocking file I/O with bounded waits. Not `ThreadPoolExecutor`, which joins its workers at
+interpreter exit: one `pread` stuck in the kernel (a dead NFS server) would hang the process for ever. Instead
+`shutdown(timeout)` reports the jobs still running, for the caller to abandon with the buffers they write into."""
 
 from __future__ import annotations
 
@@ -17,20 +13,19 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 from ...host.env import env_int, env_seconds
 
-# Requests in flight per file store: enough to keep a disk's queue full, since one sequential stream leaves most
-# disks below their limit (`python -m offload_core stream` measures the depth a disk needs).
+# Requests in flight per file store (docs/engine.md, "Layers, files and failures").
 IO_DEPTH = env_int("KV_OFFLOAD_IO_DEPTH", 4, low=1, high=64)
 
-# The longest any single file operation (one layer's read or write, or the wait for one) may take before it
-# counts as stuck. Read at call time, so tests (and users with slow network disks) can change it.
+# The longest one file operation (a layer's read or write, or the wait for one) may take before it counts as stuck.
 IO_TIMEOUT_S = env_seconds("KV_OFFLOAD_IO_TIMEOUT_S", 120.0)
 
-# A consumer's wait for one load spans at most this many of those operations in a row: the job ahead of it on
-# its lane, the earlier load into its slot, the layer's write, a free staging buffer, the reads.
+# Operations a consumer's wait for one load spans: the job ahead on its lane, the earlier load into its slot, the
+# layer's write, a free staging buffer, the reads.
 LOAD_STEPS = 5
 
 
 def io_timeout() -> float:
+    """`IO_TIMEOUT_S`, read at call time so that tests can change it."""
     return IO_TIMEOUT_S
 
 
@@ -68,13 +63,10 @@ class IOPool:
 
     def submit(self, fn: Callable, what: str, into: Optional[List[Future]] = None,
                done: Optional[Callable[[Future], object]] = None) -> Future:
-        """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports.
-
-        With `into`, the future is appended to it before the job is queued: an interrupt anywhere in a loop of
-        submits leaves every queued job in the list, for the caller's cleanup to wait for (or cancel). `done` is
-        attached to the future before it is queued, too: it runs once the job has finished, failed or been
-        cancelled (never while it runs), which makes it the one owner of whatever the job uses from then on.
-        """
+        """Queues `fn()`; `what` (e.g. "the read of layer-00003.safetensors") names it in timeout reports. `into`
+        gets the future and `done` is attached to it before the job is queued, so an interrupted loop of submits
+        leaves every queued job in `into` for cleanup; `done` runs once the job has finished, failed or been
+        cancelled (never while it runs): it owns whatever the job uses from then on."""
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -110,8 +102,8 @@ class IOPool:
         """Cancels queued jobs and waits up to `timeout` s for running ones; returns what is still running."""
         with self._lock:
             self._closed = True
-        # Every call, whole: a call that Ctrl-C stopped may have queued some of the stops, or none. A stop taken out
-        # here is queued again below; one more than the threads left is never taken, which harms nothing.
+        # All of it on every call: one that Ctrl-C stopped may have queued some stops, or none. A stop taken out here
+        # is queued again below; one more than the threads left is never taken, which harms nothing.
         while True:
             try:
                 self._taken.append(self._jobs.get_nowait())  # one line: a job out of the queue is never lost
@@ -133,12 +125,9 @@ class IOPool:
 
 
 def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = None) -> list:
-    """Results of `futures` in order; the first error is raised only once none of them is still running.
-
-    A job that fails early must not let the caller reuse a buffer the other jobs still write into: on an error
-    the jobs not yet started are cancelled and the running ones waited for. If any is still running when the
-    time is up, `IOStuckError` says so, and the caller must abandon the buffer.
-    """
+    """Results of `futures` in order; the first error is raised only once none of them runs, so the caller never
+    reuses a buffer another job still writes into. On an error or timeout the jobs not started are cancelled; any
+    still running when the time is up raises `IOStuckError`, and the caller must abandon its buffer."""
     futures = list(futures)
     limit = io_timeout() if timeout is None else timeout
     deadline = time.monotonic() + limit
@@ -156,17 +145,13 @@ def wait_all(futures: Iterable[Future], what: str, timeout: Optional[float] = No
 
 
 def when_done(futures: Iterable[Future], then: Callable[[], object]) -> None:
-    """Cancels the jobs of `futures` not yet started and calls `then()` once none is running any more.
-
-    For cleanup after an error or an interrupt: a file descriptor closed, or a buffer reused, while a request
-    still uses it could let that request read or write through a recycled descriptor number.
-    """
+    """Cancels the jobs of `futures` not yet started and calls `then()` once none is running any more, so cleanup
+    never closes a descriptor (whose number may be recycled) or reuses a buffer that a running request still uses."""
     futures = [f for f in futures if not f.cancel() and not f.done()]
     if not futures:
         then()
         return
-    left = [len(futures)]
-    lock = threading.Lock()
+    left, lock = [len(futures)], threading.Lock()
 
     def one(_future) -> None:
         with lock:

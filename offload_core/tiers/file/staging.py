@@ -1,11 +1,6 @@
-"""A bounded pool of reusable page-aligned host buffers (the file tiers' staging for reads, and for writes).
-
-A buffer comes back with the fence of the last device copy out of it and is overwritten only after that copy
-has finished. A buffer that an abandoned (stuck) I/O request may still write into is never reused or freed:
-`quarantine` replaces it by an empty place, so the pool keeps its size and nothing reads memory the kernel
-may still be filling. Buffers the pool frees go to `hostmem.SPARES`, and a buffer it needs comes from there
-when one of that size waits: the next capture, or the next store, then writes into memory already touched.
-"""
+"""The file tiers' read and write staging: a bounded pool of page-aligned `[buffer, fence]` places. A buffer is
+overwritten only once the last device copy out of it has finished; one a stuck I/O request may still fill is
+quarantined, never reused or freed. Freed buffers go to `hostmem.SPARES`, and new ones come from there."""
 
 from __future__ import annotations
 
@@ -31,10 +26,8 @@ class StagingPool:
             self._free.put(item)
 
     def acquire(self, nbytes: int, into: Optional[list] = None) -> list:
-        """[buffer, fence] with a buffer of at least `nbytes`; waits (bounded) for one to come free.
-
-        With `into`, the place is also appended to it before returning, so a caller interrupted just after the
-        call still finds what it holds, and gives it back."""
+        """[buffer, fence] with a buffer of at least `nbytes`; waits (bounded) for one to come free. With `into`, the
+        place is appended to it before returning, so a caller interrupted just after still finds it to give back."""
         try:
             item = self._free.get(timeout=io_timeout())
         except queue.Empty:
@@ -67,10 +60,7 @@ class StagingPool:
         self._free.put(fresh)
 
     def trim(self) -> None:
-        """Frees the buffers of every idle place; the places stay, empty. Buffers in use are not touched.
-
-        Every place taken is put back, also when interrupted (Ctrl-C) or when a free fails: a lost place would
-        make every later `acquire` wait for a buffer that never comes."""
+        """Frees the buffers of every idle place; the places stay, empty. Buffers in use are not touched."""
         idle = []
         try:
             while True:
@@ -83,7 +73,7 @@ class StagingPool:
                 if item[0] is not None:
                     buffer, item[0], item[1] = item[0], None, DONE
                     self._allocator.free(buffer, spare=True)
-        finally:
+        finally:  # also on Ctrl-C or a failed free: a lost place would leave later `acquire`s waiting for ever
             for item in idle:
                 self._free.put(item)
 
