@@ -1,6 +1,5 @@
-"""The checks of the file options (`file_dir`, `bypass_page_cache`) and of what a file place needs from this
-Python (xxhash for the checksums, positional I/O from the operating system), run by `OffloadConfig`.
-"""
+"""`OffloadConfig`'s checks of the file options (`file_dir`, `bypass_page_cache`) and of what a file place needs
+from this Python: xxhash for the checksums, positional I/O and locks from the operating system."""
 
 from __future__ import annotations
 
@@ -32,16 +31,13 @@ def check_file_options(mode, file_dir: Optional[str], bypass: Optional[bool], sp
         if not file_like:
             raise ValueError(
                 f"`bypass_page_cache` only applies to the file modes (and RAM modes with a `host_budget`); got "
-                f"bypass_page_cache={bypass} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'."
-            )
+                f"bypass_page_cache={bypass} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'.")
     if file_dir is None:
         return
     if not file_like:
         raise ValueError(
             f"`file_dir` only applies to the file modes (and RAM modes with a `host_budget`); got "
-            f"file_dir={file_dir!r} with mode {mode.value!r}. "
-            "Remove it, or pick 'file_sync' / 'file_async'."
-        )
+            f"file_dir={file_dir!r} with mode {mode.value!r}. Remove it, or pick 'file_sync' / 'file_async'.")
     if not isinstance(file_dir, (str, os.PathLike)):
         raise ValueError(f"`file_dir` must be a path; got {file_dir!r}.")
     path = os.fspath(file_dir)
@@ -49,10 +45,8 @@ def check_file_options(mode, file_dir: Optional[str], bypass: Optional[bool], sp
         what = "a file" if os.path.exists(path) else "missing"
         raise ValueError(
             f"`file_dir` must be an existing directory; got {path!r}, which is {what}. "
-            "Create the directory first, or pass file_dir=None for a private temp dir."
-        )
+            "Create the directory first, or pass file_dir=None for a private temp dir.")
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(
             f"`file_dir` must be writable; got {path!r}, which this process cannot write to. "
-            "Pick a writable directory, or pass file_dir=None for a private temp dir."
-        )
+            "Pick a writable directory, or pass file_dir=None for a private temp dir.")

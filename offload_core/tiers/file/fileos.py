@@ -1,20 +1,7 @@
-"""What the operating system gives the file tiers, decided once per process: the one module that looks.
+"""What the operating system gives the file tiers, decided once per process by this one module (docs/platforms.md).
 
-| need                   | Linux                         | macOS                       | Windows                             |
-|------------------------|-------------------------------|-----------------------------|-------------------------------------|
-| positional I/O         | `pwrite`, `preadv`            | `pwrite`, `preadv` (else `pread` + a copy) | a descriptor per I/O thread: `lseek` + `write` / `readinto` |
-| page-cache bypass      | `O_DIRECT` (probed), else `posix_fadvise` | `F_NOCACHE` on every descriptor | `FILE_FLAG_NO_BUFFERING` (`CreateFileW`, probed), else buffered and `page_cache` says so |
-| flush                  | `fdatasync`                   | `fsync`                     | `fsync`                             |
-| reserve a file's space | `posix_fallocate`, in pieces  | `F_PREALLOCATE`             | `ftruncate` (NTFS allocates what it extends) |
-| binary bytes           | always                        | always                      | `O_BINARY` on every open            |
-| delete / rename open   | allowed                       | allowed                     | refused: callers close first; a short bounded retry for a scanner |
-| owner lock             | `flock`                       | `flock`                     | `msvcrt.locking` on the lock file's first byte |
-
-Stdlib only (the ComfyUI pack loads `fileowner` without torch). `CURRENT` is the choice for this process; the
-tests swap it for one built from a stand-in of another system's `os` / `fcntl` / `msvcrt` / Win32 `CreateFileW`
-(`tests/core/simplatform.py`), so every branch here runs on Linux. Functions are looked up on `self.os` at
-call time, so a test that patches `os.pwrite` reaches them.
-"""
+Stdlib only (the ComfyUI pack loads `fileowner` without torch). Tests swap `CURRENT` for a stand-in of another
+system (tests/core/simplatform.py); `self.os` is read at call time, so a test that patches `os.pwrite` reaches it."""
 
 from __future__ import annotations
 
@@ -39,26 +26,23 @@ except ImportError:
     _msvcrt = None
 
 F_NOCACHE, F_PREALLOCATE = 48, 42  # macOS fcntl commands (sys/fcntl.h), which CPython's fcntl may not name
-DIRECT_MODES = ("o_direct", "no_buffering")  # the page cache bypassed: every request page-aligned, as the tiers make them
+_F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3  # F_PREALLOCATE's fstore_t flag and position mode
+DIRECT_MODES = ("o_direct", "no_buffering")  # bypass modes: every request must be page-aligned
 # Win32 (fileapi.h): what `CreateFileW` takes for an unbuffered layer file.
 GENERIC_READ, GENERIC_WRITE = 0x80000000, 0x40000000
 FILE_SHARE_READ, FILE_SHARE_WRITE = 0x1, 0x2  # what the CRT's os.open shares: delete and rename stay refused
 CREATE_NEW, CREATE_ALWAYS, OPEN_EXISTING, OPEN_ALWAYS, TRUNCATE_EXISTING = 1, 2, 3, 4, 5
 FILE_FLAG_NO_BUFFERING = 0x20000000
-_F_ALLOCATEALL, _F_PEOFPOSMODE = 0x4, 3
 _SHARING_VIOLATIONS = (5, 32, 33)  # winerror: access denied, sharing violation, lock violation
 BUSY_RETRY_S = 2.0  # how long a delete or rename waits for a file an antivirus scanner holds open
-# How `posix_fallocate` is asked for a layer file's data: in pieces of a power of two from `RESERVE_GRAIN` to
-# `RESERVE_PIECE`, largest first (the rest, under a grain, last), apart from its header. ext4 starts such an
-# allocation on a 2 MiB boundary and others anywhere, and a request that straddles a disk's grain costs more
-# (docs/benchmark.md, "Where the data lies on the disk").
-RESERVE_GRAIN = 2 << 20
-RESERVE_PIECE = 32 << 20
+# `posix_fallocate` pieces: powers of two, which ext4 starts on a 2 MiB boundary (docs/benchmark.md, "Where the
+# data lies on the disk").
+RESERVE_GRAIN, RESERVE_PIECE = 2 << 20, 32 << 20
 
 
 def reserve_pieces(start: int, length: int) -> List[Tuple[int, int]]:
-    """(offset, length) of the allocations that cover [start, start + length): powers of two from
-    `RESERVE_PIECE` down to `RESERVE_GRAIN`, largest first, then what is left under a grain as one."""
+    """(offset, length) pieces of [start, start + length): powers of two from `RESERVE_PIECE` down to
+    `RESERVE_GRAIN`, largest first, then what is left under a grain as one."""
     pieces, size = [], RESERVE_PIECE
     while length:
         while size > RESERVE_GRAIN and size > length:
@@ -92,7 +76,6 @@ class FileOS:
             missing.append("fcntl.flock or msvcrt.locking")
         return ", ".join(missing) or None
 
-    # -- page cache --------------------------------------------------------------------------------------
     def cache_modes(self) -> List[str]:
         """The bypass modes this system may offer, best first (the tier probes `o_direct` per directory)."""
         if self.name == "linux":
@@ -115,10 +98,10 @@ class FileOS:
                 raise
 
     def open_fd(self, path: str, flags: int, mode: int = 0o600, cache_mode: str = "off") -> int:
-        """A descriptor of `path`; with `no_buffering` (Windows) through `CreateFileW`, since the CRT's open
-        cannot ask for FILE_FLAG_NO_BUFFERING, then handed to the CRT as a descriptor."""
+        """A descriptor of `path`; `no_buffering` goes through `CreateFileW`, which the CRT's open cannot ask for."""
         if cache_mode != "no_buffering":
-            return self.os.open(path, flags | self.open_flags | (self.o_direct if cache_mode == "o_direct" else 0), mode)
+            return self.os.open(path, flags | self.open_flags | (self.o_direct if cache_mode == "o_direct" else 0),
+                                mode)
         o = self.os
         access = {o.O_RDONLY: GENERIC_READ, o.O_WRONLY: GENERIC_WRITE}.get(flags & 3, GENERIC_READ | GENERIC_WRITE)
         create, excl, trunc = flags & o.O_CREAT, flags & o.O_EXCL, flags & getattr(o, "O_TRUNC", 0)
@@ -141,9 +124,8 @@ class FileOS:
             self.os.posix_fadvise(fd, 0, 0, self.os.POSIX_FADV_DONTNEED)
 
     def reserve(self, fd: int, extents: List[Tuple[int, int]]) -> None:
-        """Allocates the (offset, length) `extents` of the new file `fd` (adjacent, in order: the file ends with
-        the last), each by itself and in `reserve_pieces`, so a full disk fails now (OSError ENOSPC), not
-        later."""
+        """Allocates the (offset, length) `extents` of the new file `fd` (adjacent, in order, the last ending it),
+        each apart and in `reserve_pieces`, so a full disk fails now (OSError ENOSPC), not at a write."""
         o = self.os
         total = sum(length for _, length in extents)
         if hasattr(o, "posix_fallocate"):
@@ -166,7 +148,6 @@ class FileOS:
         if self.name in ("macos", "windows"):
             o.ftruncate(fd, total)  # Windows: NTFS allocates the extension (a full disk fails here)
 
-    # -- deleting and renaming ---------------------------------------------------------------------------
     def replace(self, src: str, dst: str) -> None:
         self._retrying(self.os.replace, src, dst)
 
@@ -177,8 +158,7 @@ class FileOS:
         self._retrying(self.os.rmdir, path)
 
     def _retrying(self, fn, *args) -> None:
-        """`fn(*args)`; on Windows a sharing violation (a scanner reading a new file) is retried for a bounded
-        time, then raised. Our own descriptors are always closed first: a violation is someone else's."""
+        """`fn(*args)`, retrying a Windows sharing violation (never ours: we close first) for `BUSY_RETRY_S`."""
         deadline, pause = time.monotonic() + BUSY_RETRY_S, 0.005
         while True:
             try:
@@ -190,10 +170,8 @@ class FileOS:
             time.sleep(pause)
             pause = min(pause * 2, 0.1)
 
-    # -- owner locks -------------------------------------------------------------------------------------
     def try_lock(self, fd: int) -> bool:
-        """An exclusive lock on the lock file `fd` without waiting; False when another holder has it (or locks
-        do not work there). The system drops it when the holder dies, however it dies."""
+        """An exclusive lock on the lock file `fd` without waiting; False if another holder has it (or locks fail)."""
         try:
             if self.fcntl is not None:
                 self.fcntl.flock(fd, self.fcntl.LOCK_EX | self.fcntl.LOCK_NB)
@@ -218,11 +196,9 @@ class FileOS:
 class Handle:
     """An open layer file that any number of I/O threads read or write at offsets of their own, at once.
 
-    Where `os` has no positional I/O (Windows), each thread gets a descriptor of its own on first use, opened
-    by path: no other process can have replaced the file meanwhile, since Windows refuses to rename or delete
-    a file that is open (this handle's first descriptor keeps it so). `close()` closes them all; callers call
-    it only once no request uses the handle any more.
-    """
+    Without positional I/O (Windows) each thread opens its own descriptor by path on first use: nobody can have
+    replaced the file, since Windows refuses to rename or delete it while `fd` is open. Call `close()` only once
+    no request uses the handle."""
 
     fd = -1  # once closed
 
@@ -271,8 +247,8 @@ class Handle:
         return done
 
     def close(self) -> None:
-        """Closes every descriptor. Each is forgotten and closed in one line (Ctrl-C comes between lines), so a
-        second call after an interrupted one closes the rest, and never one twice (its number may be reused)."""
+        """Closes every descriptor, each forgotten and closed in one line (Ctrl-C comes between lines): a second
+        call after an interrupted one closes the rest, never one twice (its number may be reused)."""
         with self._lock:
             while self._own:
                 self.fs.os.close(self._own.popitem()[1])
@@ -280,8 +256,7 @@ class Handle:
                 self.fs.os.close(self.__dict__.pop("fd"))
 
     def __del__(self) -> None:
-        # A handle nobody holds (a Ctrl-C raised as `open` returned it, before its caller stored it): its
-        # descriptors go with it. No one else can hold its lock: nothing refers to it any more.
+        # Unreferenced (a Ctrl-C as `open` returned it, before its caller stored it): no one else holds its lock.
         if "fd" in self.__dict__ or self.__dict__.get("_own"):
             try:
                 self.close()
@@ -303,7 +278,6 @@ class Win32:
     def __init__(self):
         import ctypes
         from ctypes import wintypes
-
         self._ctypes = ctypes
         k32 = ctypes.WinDLL("kernel32", use_last_error=True)
         self._create = k32.CreateFileW
@@ -332,12 +306,9 @@ def current() -> FileOS:
 
 @contextlib.contextmanager
 def deferred_interrupts():
-    """A Ctrl-C (SIGINT) that arrives inside is raised as it ends, once what the block acquired is recorded.
-
-    CPython raises KeyboardInterrupt right after the builtin call during which the signal came returns, so in
-    `fd = os.open(...)` the descriptor can be lost before it is stored. Only the main thread raises it, and only
-    under Python's own handler: in any other thread (ComfyUI samples in a worker thread), or with a host's own
-    handler installed, this changes nothing."""
+    """A Ctrl-C (SIGINT) inside is raised as the block ends, once what it acquired is recorded: CPython raises it
+    right after the interrupted builtin call returns, so `fd = os.open(...)` could lose the descriptor. A no-op
+    outside the main thread (ComfyUI samples in a worker) or under a host's own SIGINT handler."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
