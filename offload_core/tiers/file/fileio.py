@@ -1,22 +1,11 @@
-"""Layer files on disk: checked opens, chunked parallel reads, checksums, page-cache bypass (writing a layer file
-is `filesave.py`).
+"""Layer files on disk: checked opens, chunked reads, checksums, the page-cache probe; `filesave.py` writes them.
 
-What each system offers is `fileos.CURRENT`'s to say. On Linux, `O_DIRECT` needs the buffer, the offset and
-the length aligned to the block size; our buffers are anonymous mmaps (page-aligned), layer files are multiples
-of 4 KiB and chunks are multiples of 1 MiB, so one probe per directory decides whether it works there (overlayfs
-and NFS may refuse it). Where it does not, reads and writes are buffered and followed by
-`posix_fadvise(DONTNEED)` — after `fdatasync` for writes, since the kernel does not drop dirty pages. macOS sets
-`F_NOCACHE` on every descriptor; Windows opens with `FILE_FLAG_NO_BUFFERING` (the same alignment, probed the same
-way), else reads and writes buffered (`page_cache`: 'buffered').
-
-Every chunk of a layer's data has an xxh3-64 digest, computed by the I/O thread that writes or reads it (off
-the consumer's path) and kept both in the file's header and in the store's memory; a read whose data, header
-or size differ from what was written is a `KVFileError` naming the file, never wrong K/V.
-"""
+`O_DIRECT` and `FILE_FLAG_NO_BUFFERING` need buffer, offset and length page-aligned: buffers are anonymous mmaps,
+files multiples of 4 KiB, chunks of whole MiB; one probe per directory decides (overlayfs and NFS may refuse it).
+Design: docs/engine.md, "Layers, files and failures"; what each system offers: docs/platforms.md, `fileos`."""
 
 from __future__ import annotations
 
-import ctypes
 import ctypes.util
 import errno
 import functools
@@ -34,8 +23,7 @@ from .fileos import Handle
 log = logging.getLogger(__name__)
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # this process's own value, for the benchmark's raw I/O
-# Bytes per request; several in flight (`iopool.IO_DEPTH`) keep the disk's queue full. `stream` measures a disk's
-# best pattern; on the disks measured 8 MiB x 4 was within the noise of the best (docs/benchmark.md).
+# Bytes per request, `iopool.IO_DEPTH` in flight (docs/benchmark.md, "Measurements behind the file tiers' defaults")
 CHUNK = env_int("KV_OFFLOAD_IO_REQUEST_MIB", 8, low=1, high=256) << 20
 CHECKSUM = "xxh3_64"
 
@@ -82,8 +70,7 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 def ram_backed(directory: str) -> Optional[str]:
-    """The name of the RAM-backed filesystem `directory` is on (tmpfs, ramfs...), else None (Linux only: RAM
-    disks of other systems look like ordinary volumes)."""
+    """The RAM filesystem (tmpfs...) `directory` is on, else None; Linux only: other RAM disks look ordinary."""
     libc = _libc() if fileos.current().name == "linux" else None
     if libc is None:
         return None
@@ -98,9 +85,8 @@ def ram_backed(directory: str) -> Optional[str]:
 
 
 def probe_page_cache_mode(directory: str, bypass: bool) -> str:
-    """How the page cache is kept out in `directory`: 'o_direct' (Linux) or 'no_buffering' (Windows) where such
-    reads and writes work there, else 'fadvise' (Linux) or 'buffered' (Windows: not kept out, and said so);
-    'f_nocache' (macOS); 'off' without bypass."""
+    """The page-cache mode for `directory`: 'o_direct' or 'no_buffering' where a probe there works, else 'fadvise'
+    or 'buffered' (not kept out, and said so); 'f_nocache' on macOS; 'off' without `bypass`."""
     if not bypass:
         return "off"
     fs = fileos.current()
@@ -123,7 +109,7 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
             f.close()
         return direct
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # says nothing of the mode: the store would keep the fallback
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # not the mode's fault: a fallback would hide a full disk
             raise KVWriteError(f"KV offload: the disk holding {directory!r} is full ({os_cause(exc)}): not even a "
                                "4 KiB test file fits. Free space there, point `file_dir` at a bigger disk, or pick "
                                "a RAM mode.") from None
@@ -134,7 +120,7 @@ def probe_page_cache_mode(directory: str, bypass: bool) -> str:
         try:
             fs.unlink(path)
         except FileNotFoundError:
-            pass  # the probe never created it: nothing to remove
+            pass  # the probe never created it
 
 
 def drop_pages(f: Handle) -> None:
@@ -146,7 +132,6 @@ def os_cause(exc: OSError) -> str:
     return f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror or exc}"
 
 
-# -- reading -----------------------------------------------------------------------------------------------
 def open_checked(path: str, length: int, cache_mode: str) -> Handle:
     """The regular file `path` of exactly `length` bytes, open, or a `KVFileError` saying what it is instead."""
     fs = fileos.current()
@@ -178,8 +163,8 @@ def open_checked(path: str, length: int, cache_mode: str) -> Handle:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
     return "a device"

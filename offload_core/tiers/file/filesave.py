@@ -1,6 +1,5 @@
-"""Writing one layer file: its space reserved first (a full disk fails at the `put` that needs it, naming the
-disk), its chunks written whole, then flushed as the page-cache mode needs and renamed into place — or
-discarded, so nothing partial is left behind. Every failure is a `KVWriteError` naming the file."""
+"""Writing one layer file: space reserved, chunks written whole, flushed as the page-cache mode needs and renamed
+into place, or discarded: nothing partial is left. Every failure is a `KVWriteError` naming the file."""
 
 from __future__ import annotations
 
@@ -19,18 +18,14 @@ log = logging.getLogger(__name__)
 
 
 def reserve(path: str, extents: List[Tuple[int, int]], cache_mode: str) -> Handle:
-    """Creates `path` (a temp name) with its (offset, length) `extents` allocated, each apart (adjacent, in order:
-    the file ends with the last; `fileos.FileOS.reserve`); returns it, opened for writing.
-
-    Allocating first makes a full disk fail here, at the `put` that needs the space, with a clear message,
-    instead of in a background write later. The allocation goes through a buffered descriptor: `O_DIRECT` is
-    set after it, and a Windows file is opened unbuffered only once allocated (the CRT extends a file by
-    writing zeros from a buffer of its own, which an unbuffered handle refuses).
-    """
+    """Creates `path` (a temp name) with its (offset, length) `extents` allocated (`fileos.FileOS.reserve`), open
+    for writing: a full disk fails here, at the `put`, not in a background write. It allocates through a buffered
+    descriptor, then sets `O_DIRECT` or opens the unbuffered Windows handle (the CRT extends a file by writing
+    zeros from a buffer of its own, which an unbuffered handle refuses)."""
     fs = fileos.current()
     length = sum(n for _, n in extents)
     handles: List[Handle] = []  # what is open of the file, the one returned last
-    try:  # the open inside: Ctrl-C on this line itself would otherwise come between the open and its cleanup
+    try:  # the open inside, so that a Ctrl-C right after it still reaches the cleanup
         handles.append(fs.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                                cache_mode="off" if cache_mode in fileos.DIRECT_MODES else cache_mode))
         fs.reserve(handles[0].fd, extents)
@@ -89,8 +84,7 @@ def finish_write(f: Handle, tmp: str, path: str, cache_mode: str, length: int) -
         if cache_mode == "fadvise":
             fs.sync(f.fd)  # dirty pages cannot be dropped; flush them first
             drop_pages(f)
-        # No fsync otherwise: with O_DIRECT / F_NOCACHE the data went past the cache, and a cache that a crash
-        # interrupts is garbage anyway (the next store reclaims it); the rename makes the file whole for readers.
+        # No fsync otherwise: readers need only the rename; what a crash leaves, the next store reclaims.
         f.close()  # before the rename, which Windows refuses for an open file
         fs.replace(tmp, path)
     except OSError as exc:
@@ -104,6 +98,6 @@ def discard(path: str) -> None:
     try:
         fileos.current().unlink(path)
     except FileNotFoundError:
-        pass  # gone already, which is all a discard asks for
+        pass  # gone already
     except OSError as exc:
         log.warning("KV offload: could not remove %r (%s)", path, exc)

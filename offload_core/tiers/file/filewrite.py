@@ -1,15 +1,9 @@
 """Writing layer files for the file tiers: chunked, checksummed, atomic, and safe to interrupt anywhere.
 
-A layer goes out chunk by chunk through a small ring of chunk-sized staging buffers: each chunk is copied (on
-the consumer's stream) into a free buffer and its write queued to the I/O threads at once; the thread that
-wrote it takes its checksum, and the buffer is free again. So the copy of a layer overlaps
-its writes, the next layer's chunks queue behind this one's without the disk going idle, and the staging a
-write holds is a few chunks whatever the layer size. The file is created under a temp name with its whole
-size allocated first (a full disk fails right there, in `put`), its data apart from its header, so that the
-filesystem places the data's extents on the disk's own grain (`fileos.FileOS.reserve`); once its chunks are
-on disk, the write lane (one thread, first in first out) writes the header with the chunk digests and renames
-the file whole.
-"""
+Each chunk is copied on the consumer's stream into a free buffer of a small staging ring and its write queued at
+once; the I/O thread that writes it takes its digest and frees the buffer. Once every chunk is on disk, the write
+lane (one thread, first in first out) writes the header with the digests and renames the file whole (design:
+docs/engine.md, "Layers, files and failures")."""
 
 from __future__ import annotations
 
@@ -57,9 +51,8 @@ class LayerFile:
 
 @dataclass
 class _Write:
-    """One layer file being written. Whoever claims it first cleans it up: its finish, or, if that never
-    started, the interrupt or cancellation that stopped it (never both: a descriptor closed twice may be
-    another file's by then). Each chunk's staging buffer belongs to that chunk's request, which gives it back."""
+    """One layer file being written. Whoever claims it first cleans it up (its finish, or the interrupt or
+    cancellation that stopped it before that), never both: a descriptor closed twice may be another file's."""
     tmp: str
     file: Optional[Handle] = None  # open from its reserve until its finish or cleanup closes it
     chunks: List[cf.Future] = field(default_factory=list)
@@ -75,10 +68,9 @@ class _Write:
 
 
 class _Lease:
-    """One chunk's staging buffer, given back exactly once: by its request as soon as it is done with it (so a
-    wait for the chunk finds the buffer back), or through the request's future if the request, or its
-    checksum, never ran (cancelled, a pool shut down). A request stuck in the kernel never gives it back, so
-    nothing reuses memory the kernel may still read."""
+    """One chunk's staging buffer, given back exactly once: by its request when done with it (so a wait for the
+    chunk finds the buffer back), else through its future if the request never ran (cancelled, a pool shut down).
+    A request stuck in the kernel never gives it back, so nothing reuses memory the kernel may still read."""
     __slots__ = ("item", "_pool", "_lock")
 
     def __init__(self, pool: StagingPool, item: list):
@@ -92,10 +84,8 @@ class _Lease:
 
 
 def layer_chunk(data_bytes: int, request: int) -> int:
-    """Bytes per chunk (one request, one digest) of a layer of `data_bytes`: the tier's request size, or, for a
-    layer of less than four of them, a quarter of the layer rounded up to a power of two and never under the
-    disk's grain (`fileos.RESERVE_GRAIN`): a small layer read as one request keeps the disk one request deep
-    where it wants several (docs/benchmark.md, "Layer size")."""
+    """Bytes per chunk (one request, one digest): `request`, or for a layer under four of them a quarter of the layer
+    rounded up to a power of two, >= `fileos.RESERVE_GRAIN`: disks want several (docs/benchmark.md, "Layer size")."""
     quarter = 1 << max(0, data_bytes // 4 - 1).bit_length()
     return min(request, max(fileos.RESERVE_GRAIN, quarter))
 
@@ -107,8 +97,7 @@ def layer_header(key: Hashable, layout: LayerLayout, digests: List[int], chunk: 
 
 
 class Writer:
-    """The write path of one file store: its ring of chunk staging buffers, the writes in flight, the first
-    write error."""
+    """The write path of one file store: its ring of chunk staging buffers, the writes in flight, the first error."""
 
     def __init__(self, ctx: TierContext, directory: str, cache_mode: str, chunk: int, chunks: IOPool, lane: IOPool,
                  stuck: List[str]):
@@ -126,11 +115,9 @@ class Writer:
             self.staging.trim()
 
     def write(self, key: Hashable, k: torch.Tensor, v: torch.Tensor, layout: LayerLayout, path: str) -> LayerFile:
-        """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole).
-
-        Returns once the last chunk is copied out of `k` and `v` (on a device: once its copy is queued on the
-        consumer's stream); a write that fails later is raised by the next `write`, by `flush` or by the read
-        of that layer."""
+        """Starts writing layer `key` to `path`; returns its entry (`written` once the file is whole) once the last
+        chunk's copy out of `k`/`v` is done or, on a device, queued. A later failure is raised by the next `write`,
+        by `flush` or by the read of that layer."""
         if self.failed is not None:
             raise KVWriteError(f"KV offload: an earlier layer file in {self.directory!r} could not be written "
                                f"({self.failed}); this store takes no more layers.") from self.failed
@@ -145,8 +132,7 @@ class Writer:
             self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
                               into=job.lane, done=functools.partial(self._cancelled_write, job))
         except BaseException:
-            # Failed or interrupted before its finish took over: the chunk writes are waited for (or cancelled),
-            # then the descriptor and the temp file go. A finish that already runs cleans up itself.
+            # Stopped before its finish took over: dropped once its chunk writes end. A running finish cleans up.
             if not job.lane or job.lane[0].cancel():
                 self._drop_write(job)
             raise
@@ -154,12 +140,8 @@ class Writer:
         return entry
 
     def _queue_writes(self, job: "_Write", entry: LayerFile, k: torch.Tensor, v: torch.Tensor, pieces) -> None:
-        """Copies the layer chunk by chunk into free staging buffers and queues each chunk's write as soon as it
-        is copied (its request then takes its checksum and frees the buffer).
-
-        The copies run on the consumer's stream: ordered after the producer and before anything that changes
-        `k`/`v`. Waiting for a free buffer waits for an earlier chunk's write (bounded).
-        """
+        """Copies the layer chunk by chunk into free staging buffers on the consumer's stream (after the producer,
+        before anything that changes `k`/`v`), queueing each chunk's write once copied; a buffer wait is bounded."""
         streams, base = self._ctx.streams, len(entry.header)
         size = pieces[0][1] if pieces else 0
 
@@ -195,9 +177,8 @@ class Writer:
             self._drop_write(job)
 
     def _count(self, job: "_Write", writing: bool) -> None:
-        """Counts `job` among the layers being written, or no more; once each way, whatever the calls' order (a
-        Ctrl-C before the count is taken must not make the cleanup's uncount leave the count at -1, where the
-        staging would never be freed)."""
+        """Counts `job` among the layers being written, or no more; once each way in any order: a Ctrl-C before
+        the count must not let the cleanup's uncount leave it at -1, where the staging would never be freed."""
         with self._count_lock:
             if job.counted != writing:  # the mark and the count change in one line: Ctrl-C comes between lines
                 job.counted, self._writing = writing, self._writing + (1 if writing else -1)
@@ -220,9 +201,8 @@ class Writer:
             entry.written = True
         except BaseException as exc:
             if isinstance(exc, IOStuckError):
-                # A request may still be inside pwrite: its buffer is not given back and its descriptor not
-                # closed while it is (no later request may write through a recycled descriptor number into
-                # another file). If it ever returns, the descriptor and the temp file go then, as below.
+                # A request may still be in pwrite: its buffer and descriptor stay held (a recycled descriptor number
+                # would let it write into another file); if it ever returns, they and the temp file go, as below.
                 self._stuck.append(f"the write of {entry.path}")
             if fd_open:  # once none of the chunk requests runs any more
                 when_done(job.chunks, functools.partial(self._release_write, job))
