@@ -1,17 +1,10 @@
-"""Private cache directories that prove their owner alive, and reclaiming those whose owner is gone.
+"""Private cache directories locked by their owner for life, and reclaiming those whose owner is gone.
 
-Each directory holds a lock file on which its creator keeps an exclusive lock (`flock`; `msvcrt.locking` on
-Windows: `fileos`) for the directory's whole life. The system drops that lock when the process dies, however it
-dies (SIGKILL included), so "the lock can be taken" means exactly "nobody owns this any more". A new directory
-is born locked: it is made under a hidden staging name, locked, then renamed into place, so no scan ever sees a
-live directory unlocked. Windows refuses to rename a folder that holds an open file: there the directory is
-made under its own name and locked at once (a reclaimer racing that moment cannot delete the open lock file,
-and the maker waits, bounded, for the lock it lets go). Files and folders are deleted after our own
-descriptors on them are closed, which Windows requires; the lock file goes last, once unlocked. Before
-making its own, every owner reclaims the dead ones of the same prefix in the same parent — an engine store,
-a diffusers session or the ComfyUI pack, in this or another process — and never touches a live one, nor
-anything else in the parent.
-"""
+The system drops the lock (`flock`, `msvcrt.locking` on Windows: `fileos`) when its process dies, even by SIGKILL,
+so a lock that can be taken means a dead owner. A directory is born locked: made under a hidden staging name,
+locked, then renamed into place (Windows renames no folder holding an open file: there it is made in place, and the
+maker waits, bounded, for a racing reclaimer to let go). Our descriptors close before deletion (Windows requires it),
+the lock file last."""
 
 from __future__ import annotations
 
@@ -37,8 +30,7 @@ def _staging_prefix(prefix: str) -> str:
 
 
 def remove_tree(path: str, keep: Optional[str] = None) -> List[Tuple[str, str]]:
-    """Deletes `path` (a folder, with everything in it, or a file) as far as possible, leaving the entry `keep`
-    of the top folder (and so the folder); returns (path, reason) for everything that could not be deleted.
+    """Deletes the file or folder `path` but the top folder's entry `keep`; returns (path, reason) for what stayed.
     Symbolic links are deleted, never followed."""
     fs = fileos.current()
     problems: List[Tuple[str, str]] = []
@@ -47,7 +39,7 @@ def remove_tree(path: str, keep: Optional[str] = None) -> List[Tuple[str, str]]:
         try:
             fn(target)
         except FileNotFoundError:
-            pass  # removed meanwhile (by its owner, or by another reclaiming store): what we wanted
+            pass  # removed meanwhile by its owner or another reclaimer
         except OSError as exc:
             problems.append((target, f"{type(exc).__name__}: {exc}"))
 
@@ -71,9 +63,8 @@ def remove_tree(path: str, keep: Optional[str] = None) -> List[Tuple[str, str]]:
 
 
 def remove_owned(path: str, unlock: Callable[[], None]) -> List[Tuple[str, str]]:
-    """Deletes the owned directory `path`, its lock file last, after `unlock()` (Windows deletes no open file):
-    if anything stays, the lock file stays too, so a later owner still recognises the remains as a cache
-    directory (unlocked once we let go) and reclaims them."""
+    """Deletes the owned directory `path`, its lock file last, after `unlock()`; if anything else stays, the lock
+    file stays too, so a later owner recognises the remains and reclaims them."""
     problems = remove_tree(path, keep=LOCK_NAME)
     unlock()
     if not problems:
@@ -100,13 +91,12 @@ def reclaim(parent: str, prefix: str) -> List[str]:
             continue
         path = os.path.join(parent, name)
         if staging and _age(path) <= STAGING_GRACE_S:
-            continue  # being made now: its lock file may exist and not be locked yet (taking it would delete a live one)
+            continue  # being made now: its lock file may not be locked yet
         try:
             with fileos.deferred_interrupts():  # into `held` before a Ctrl-C is raised
                 held = [fs.os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | fs.open_flags | fs.no_follow)]
         except FileNotFoundError:
-            # No lock file: a directory of another program (or an older version) — not ours to judge; or a
-            # staging directory whose maker died before locking it (it is older than the grace).
+            # No lock file: another program's directory (not ours to judge), or staging whose maker died.
             if staging:
                 _delete_logged(path, "an unfinished cache directory")
                 reclaimed.append(path)
@@ -149,9 +139,8 @@ _OPEN: "weakref.WeakSet[OwnedDir]" = weakref.WeakSet()  # the directories this p
 
 
 def _forget_in_child() -> None:
-    """A forked child closes its copies of the lock descriptors: the parent's `flock` stays (it is released by an
-    unlock through any copy, or once every copy is closed), and a child that outlives its parent no longer keeps
-    the parent's directory locked, so the next store reclaims it."""
+    """A forked child closes (never unlocks: that drops the parent's `flock`) its copies of the lock descriptors,
+    so a child that outlives its parent does not keep the parent's directory locked."""
     for owned in list(_OPEN):
         fd, owned._fd = owned._fd, None
         if fd is not None:
@@ -166,8 +155,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def _make_dir(parent: str, prefix: str, names: List[str]) -> str:
-    """A new private directory `prefix<random>` in `parent`, as `tempfile.mkdtemp` makes one, but with its name in
-    `names` before it exists: an interrupt inside leaves no directory the caller's cleanup does not know of."""
+    """`tempfile.mkdtemp`, but named in `names` before it exists: on an interrupt the caller's cleanup knows it."""
     while True:
         names.append(os.path.join(parent, prefix + secrets.token_hex(6)))
         try:
@@ -194,7 +182,6 @@ class OwnedDir:
         fs = fileos.current()
         reclaim(parent, prefix)
         staged = fs.renames_open
-        self._fd: Optional[int] = None
         names: List[str] = []  # the directory's name, taken before it is made
         try:
             made = _make_dir(parent, _staging_prefix(prefix) if staged else prefix, names)
@@ -215,7 +202,7 @@ class OwnedDir:
             for made in names:
                 if locked:
                     remove_tree(made)
-                else:  # an interrupt inside the make: only an empty directory (never a live one, which holds a lock)
+                else:  # interrupted inside the make: only an empty one (a live one holds a lock)
                     _remove_empty(made)
             raise
 
@@ -234,11 +221,8 @@ class OwnedDir:
                 fileos.current().unlock_and_close(self.__dict__.pop("_fd"))  # a new owner may reclaim what is left
 
     def delete(self) -> List[Tuple[str, str]]:
-        """Deletes the directory, then drops the lock; logs and returns what could not be deleted.
-
-        An interrupt (Ctrl-C) while deleting does not stop it: the deletion is finished, then the interrupt
-        is raised again.
-        """
+        """Deletes the directory, then drops the lock; logs and returns what could not be deleted. A Ctrl-C while
+        deleting is raised again once the deletion is finished."""
         interrupt: Optional[BaseException] = None
         problems: List[Tuple[str, str]] = []
         for _ in range(10):

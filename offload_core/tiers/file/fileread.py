@@ -1,12 +1,8 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
-The file is opened and checked (a regular file of the right size), read in chunks by the I/O threads into a read
-staging buffer, every chunk's digest (taken by the thread that read it) and the header compared with what the
-store wrote, then the data is copied into the device slot. A CPU consumer's slots are page-aligned, so
-there the chunks are read straight into the slot, with no copy. `file_async` runs the per-layer steps on two lanes
-(one thread each, first in first out, so copies into one slot stay in order): one that starts reads and one that
-finishes them, so the next layer's chunks are queued while this one's complete. `file_sync` runs them inline.
-"""
+The I/O threads read a CPU consumer's page-aligned slot in place; any other slot gets the read staging, then one copy.
+`file_async` starts and finishes reads on two one-thread lanes (first in first out, so copies into one slot stay in
+order, and the next layer's chunks queue while this one's complete); `file_sync` runs both inline."""
 
 from __future__ import annotations
 
@@ -31,10 +27,8 @@ from .staging import StagingPool
 class _Read:
     """What one layer's read holds until it ends: its staging place, its open file and its queued requests.
 
-    The thread that starts the read fills it in as it takes each (the place through `acquire`'s `into`, the
-    requests through `submit`'s), so whoever ends the read finds everything taken so far, however far an
-    interrupt let the start get. `file_async` has two owners, the start and the finish jobs; the last of the
-    two to let go ends the read."""
+    Filled in as each is taken (`into=`), so whoever ends the read finds all that an interrupt let the start take.
+    In `file_async` the start and finish jobs own it; the last to let go ends the read."""
 
     __slots__ = ("held", "fd", "requests", "fence", "_owners", "_lock")
 
@@ -62,8 +56,7 @@ class Reader:
         self._chunks, self._lanes, self._stuck = chunks, lanes, stuck
         self._host_slots = host_slots  # page-aligned CPU slots the tier made, by address
         self.staging = StagingPool(ctx.allocator, max(ctx.depth, 0) + 1, "read")
-        # host slot address -> the requests of the last read into it, which fill it: however that read ended
-        # (served, failed, interrupted, stuck, never finished), the next read into the slot starts once they have.
+        # host slot address -> the last read's requests into it; however that read ended, the next one waits for them.
         self.filling: Dict[int, List[cf.Future]] = {}
         self._read: Optional[_Read] = None  # `file_sync`: the last read, which its consumer's thread ends
 
@@ -72,14 +65,12 @@ class Reader:
         return not all(f.done() for f in self.filling.get(address, ()))
 
     def _host_slot(self, slot: torch.Tensor) -> bool:
-        """True where the I/O threads may fill `slot` directly: host memory that no queued stream work can still
-        read (a real CPU device; not a model of CUDA ordering, where the consumer's kernels may lag)."""
+        """True where the I/O threads may fill `slot` directly: CPU memory, no lagging stream work (no CUDA model)."""
         return slot.device.type == "cpu" and self._ctx.streams.immediate
 
     def load(self, entry: LayerFile, slot: torch.Tensor, release: Fence) -> Pending:
-        # A host slot is filled chunk by chunk by the I/O threads as the chunks arrive, instead of in one copy
-        # after the whole read (on a CPU that copy costs as much as the read). A device slot gets one copy on
-        # the side stream, ordered by fences.
+        """Reads `entry` into `slot`; the I/O threads fill a host slot as chunks arrive (on a CPU a copy after the
+        read costs as much as the read), a device slot gets one copy on the side stream after `release`."""
         check_fits(slot.numel(), entry.layout, 0)  # before any read: a memoryview slice would come out shorter
         direct = slot if self._host_slot(slot) else None
         if not self._lanes:
@@ -92,8 +83,7 @@ class Reader:
             finally:
                 self._end(read)
             return Pending(read.fence)
-        # Two owners, the start job and the finish job, each letting go once it is over (done, failed, cancelled
-        # by close()); one that is never queued lets go here. The read ends when both have.
+        # Two owners: each job lets go once over (cancelled by close() too); the `finally` for a job never queued.
         read = _Read(owners=2)
         queued: List[cf.Future] = []
         let_go = functools.partial(self._let_go, read)
@@ -127,10 +117,8 @@ class Reader:
         """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given), taking
         the staging place, the descriptor and the requests into `read`."""
         if direct is not None:
-            # Only their end matters here, not how they ended: the requests of the last read into the slot (an
-            # interrupted, failed or stuck one may have left some running) must not land over this read's.
-            # `wait` never raises their errors, so a Ctrl-C that arrives while this thread waits (`file_sync`
-            # runs it on the consumer's thread) is the only thing it can raise; nothing is taken yet.
+            # The last read into the slot may have left requests running; theirs must not land over ours. `wait`
+            # raises none of their errors, only this thread's Ctrl-C (`file_sync`), and nothing is taken yet.
             earlier = self.filling.get(direct.data_ptr(), ())
             if not all(f.done() for f in earlier) and cf.wait(earlier, timeout=io_timeout()).not_done:
                 raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
@@ -157,7 +145,6 @@ class Reader:
         into = target.memory() if target is not None else None
 
         def read_chunk(off: int, n: int, expected: Optional[int]) -> None:
-            """Reads the chunk at `off` and checks its checksum."""
             view = into[off - base:off - base + n] if into is not None else mem[off:off + n]
             if off == base:  # the header comes with the first chunk: one request fewer per layer
                 head = mem[:base]
@@ -174,13 +161,12 @@ class Reader:
                 with self._ctx.streams.timed("transfer"):
                     direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
-        jobs = [(base + off, n, d) for (off, n), d in zip(chunks(0, entry.layout.data_bytes, entry.chunk), entry.digests)]
-        jobs = jobs or [(base, 0, None)]  # an empty layer: its header is still read and compared
+        pieces = chunks(0, entry.layout.data_bytes, entry.chunk)  # none for an empty layer: its header is still read
+        jobs = [(base + off, n, d) for (off, n), d in zip(pieces, entry.digests)] or [(base, 0, None)]
         what = f"the read of {entry.path}"
         for job in jobs:
             self._chunks.submit(functools.partial(read_chunk, *job), what, into=read.requests)
-            # Hands the GIL to the I/O thread just woken, which starts its read now instead of once every
-            # request is queued (docs/benchmark.md).
+            # Hands the GIL to the I/O thread just woken, so it reads now, not once all are queued (docs/benchmark.md).
             time.sleep(0)
 
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, read: _Read) -> Fence:
@@ -188,8 +174,7 @@ class Reader:
         try:
             wait_all(read.requests, f"the read of {entry.path}")
         except IOStuckError:
-            # A request may still be inside preadv: its staging buffer is never reused (the pool gets an empty
-            # place instead); the descriptor closes and the slot takes the next read once the request ends.
+            # A request may still be in preadv: its buffer is never reused; fd and slot are let go once it ends.
             self.staging.quarantine(read.held.pop())
             self._stuck.append(f"the read of {entry.path}")
             raise
@@ -208,9 +193,8 @@ class Reader:
             return streams.record(side)
 
     def _end(self, read: Optional[_Read]) -> None:
-        """Closes `read`'s file and gives its staging place back: at once where none of its requests runs any
-        more, else (after an error, an interrupt or a stuck request) once none does; queued ones never start.
-        Once only: a second call finds nothing left to give back."""
+        """Closes `read`'s file and gives its staging place back once none of its requests runs (queued ones never
+        start). A second call finds nothing left to give back."""
         if read is None:
             return
         fd, item, read.fd, read.held = read.fd, read.held[0] if read.held else None, None, []

@@ -1,16 +1,9 @@
 """The file tier (place `file`): one safetensors-compatible file per layer in a private directory.
 
-The tier owns the directory (locked while it lives, deleted at close), the thread pools and the layer
-entries; `filewrite.Writer` and `fileread.Reader` move the bytes in requests of `fileio.CHUNK`, `iopool.IO_DEPTH`
-at once (`KV_OFFLOAD_IO_REQUEST_MIB`, `KV_OFFLOAD_IO_DEPTH`); the I/O threads do every chunk's `pwrite` /
-`preadv` and its checksum. Both tiers write the same way, in the
-background: a write lane (one thread, first in first out) finishes each layer file once its chunks are on
-disk, while the next layer's chunks already queue. They differ in reading: `file_sync` reads a layer when it
-is asked for, `file_async` adds two read lanes (one that starts reads and one that finishes them, so a layer's
-read follows its write, copies into a slot stay in order, and the disk never idles between layers).
-Reads and writes have separate staging pools, so a `put` never waits for a buffer that a read holds (and the
-other way round); every wait is bounded, and `close()` walks away from I/O stuck in the kernel instead of
-hanging."""
+The tier owns the directory (locked while it lives, deleted at close), the I/O pools and the layer entries;
+`filewrite.Writer` and `fileread.Reader` move the bytes (docs/engine.md, "Layers, files and failures"). Both
+modes write on one write lane (first in first out); `file_async` adds the two read lanes. Reads and writes have
+separate staging pools, so neither waits for the other's buffers; `close()` walks away from I/O stuck in the kernel."""
 
 from __future__ import annotations
 
@@ -47,8 +40,7 @@ class FileTier(Tier):
     def __init__(self, ctx: TierContext, parent_dir: Optional[str], bypass: bool, asynchronous: bool):
         checksum_module()  # a missing checksum package fails before anything is made
         self._ctx = ctx
-        # A fresh directory of our own, also inside a caller's `file_dir`, locked while we live: close() deletes
-        # exactly it, and a later store reclaims it if this process dies first.
+        # Our own directory, even in a caller's `file_dir`: close() deletes just it; a later store, if we die first.
         try:
             self._owner = OwnedDir(parent_dir, "kv_offload-")
         except OSError as exc:  # a full disk, or one that turned read-only (remounted after an error, chattr +i)
@@ -110,10 +102,8 @@ class FileTier(Tier):
     def drop_growing(self, key: Hashable) -> None:
         self._grow.drop(key)
 
-    # -- reading ---------------------------------------------------------------------------------------------
     def new_slot(self, nbytes: int, streams: Streams) -> torch.Tensor:
-        """On a CPU (no streams to order), a page-aligned slot, which `O_DIRECT` reads fill directly: no staging
-        copy, no staging RAM."""
+        """On a CPU (no streams to order), a page-aligned slot that `O_DIRECT` reads fill directly, without staging."""
         if streams.device.type != "cpu" or not streams.immediate:
             return super().new_slot(nbytes, streams)
         buf = HostBuffer(nbytes)
@@ -121,8 +111,7 @@ class FileTier(Tier):
         return buf.tensor
 
     def release_slot(self, slot: torch.Tensor) -> None:
-        """Frees a host slot made by `new_slot` now (the store parks between requests), unless a read may still
-        fill it: one stuck in the kernel keeps its slot until close."""
+        """Frees a `new_slot` host slot now (the store parks), unless a read stuck in the kernel may still fill it."""
         address = slot.data_ptr()
         if self._reader.writing(address):
             return
@@ -137,10 +126,8 @@ class FileTier(Tier):
         return self._reader.load(entry, slot, release)
 
     def flush(self) -> None:
-        """Waits until every layer stored so far is on disk, then raises the first write error, if any.
-
-        Cancels nothing (a failed layer leaves the others' writes to finish); each wait is bounded by one layer
-        operation, since the write lane finishes layers in order."""
+        """Waits until every layer stored so far is on disk, then raises the first write error, if any. Cancels
+        nothing; each wait is bounded by one layer operation, since the write lane finishes layers in order."""
         first: Optional[BaseException] = None
         for entry in list(self._files.values()):  # a snapshot: puts may go on meanwhile
             if entry.write is None:
@@ -163,7 +150,6 @@ class FileTier(Tier):
         self.flush()
         self._writer.trim_if_idle()
 
-    # -- reporting and closing -------------------------------------------------------------------------------
     def nbytes(self) -> Dict[str, int]:
         staging = self._reader.staging.buffers() + self._writer.staging.buffers()
         return {
@@ -188,10 +174,8 @@ class FileTier(Tier):
     def close(self) -> None:
         """Stops the I/O (abandoning stuck threads), frees the staging, deletes the directory. Idempotent.
 
-        An interrupt (Ctrl-C) inside one of those steps does not stop the cleanup: it is raised again once the
-        directory is gone. One between them stops it, and the next call does it all again (each step takes a
-        repeat): the tier counts as closed only once the last step has run.
-        """
+        A Ctrl-C inside a step is raised again once the directory is gone; one between steps stops the cleanup,
+        and the next call repeats every step (each is safe to repeat): closed only once the last step has run."""
         if self._closed:
             return
         interrupt: Optional[BaseException] = None
