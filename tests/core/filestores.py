@@ -33,3 +33,14 @@ def open_files(name):
         except OSError:
             pass  # closed meanwhile
     return found
+
+
+def file_tier(store):
+    """The store's file tier: the one place the white-box file suites reach into a store for it."""
+    return store._tiers["file"]
+
+
+def free_places(pool):
+    """(distinct places free now, places in all) of a staging pool: equal when every place is back, none twice."""
+    free = list(pool._free.queue)
+    return len({id(item) for item in free}), len(pool._all)

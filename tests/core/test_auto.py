@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from offload_core import HostServices, KVStore, Mode, OffloadConfig
+from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.places import GiB
 from offload_core.store.plan import ASSUMED_LAYERS, RESERVE_BYTES
 

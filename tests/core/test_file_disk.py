@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
+from filestores import MODES, file_tier, free_places
 from offload_core import KVFileError, KVStore, KVWriteError, OffloadConfig
+from offload_core.tiers.file import iopool
 
-MODES = ["file_sync", "file_async"]
 MiB = 1 << 20
 
 
@@ -99,7 +100,7 @@ def test_flush_reports_a_failed_write_and_lets_the_others_finish(tmp_path, faili
     store = KVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu")
     heal = failing_writes("layer-00000", before=lambda: accepted.wait(5))  # fails once layer 1 is put
     store.put(0, *layer(0))
-    tier = store._tiers["file"]
+    tier = file_tier(store)
     # Hold the write lane until flush waits for layer 1: its finish is then still queued behind the failed
     # layer 0, where a flush that cancels on the first error would drop it. (Bounded: a flush that never
     # asks for layer 1 lets the lane go after 5 s and fails the test below.)
@@ -133,11 +134,10 @@ def test_a_failed_write_is_cleaned_up_once(mode, tmp_path, monkeypatch, failing_
     with pytest.raises(KVWriteError, match=r"layer-00001.*EIO"):
         store.flush()
     heal()
-    writer = store._tiers["file"]._writer
+    writer = file_tier(store)._writer
     assert writer._writing == 0
     # Back already when the error is raised: each request gives its buffer back before its future completes.
-    assert writer.staging._free.qsize() == len(writer.staging._all) == writer._chunks.workers + 2
-    assert len({id(item) for item in list(writer.staging._free.queue)}) == len(writer.staging._all)  # none twice
+    assert free_places(writer.staging) == (iopool.IO_DEPTH + 2,) * 2  # every place back, none twice
     assert files_in(store.stats()["file_dir"]) == ["layer-00000.safetensors"]  # no temp file left
     k, v = store.get(0)
     assert torch.equal(k, layer(0)[0]) and torch.equal(v, layer(0)[1])

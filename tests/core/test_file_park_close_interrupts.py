@@ -5,7 +5,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 from filestores import MODES, file_store, layers
 from offload_core.tiers.file import fileowner

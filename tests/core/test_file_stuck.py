@@ -12,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import pytest
 import torch
 
-from filestores import MODES, file_store, layers, open_files
+from filestores import MODES, file_store, file_tier, free_places, layers, open_files
 from offload_core.tiers.file import iopool
 
 
@@ -134,13 +134,14 @@ def test_write_stuck_in_the_kernel_fails_flush_and_close_within_the_bound(mode, 
     try:
         store.put(1, *data[1])
         assert entered.wait(10)
-        writer = store._tiers["file"]._writer
+        writer = file_tier(store)._writer
         with pytest.raises(TimeoutError, match=r"the write of .*layer-00001\.safetensors'? did not finish within 0\.5 s"):
             store.flush()  # its own bound, or the layer's finish giving up: both name the layer
         wait_until(lambda: writer.failed is not None)  # the finish gave up on the request
         with pytest.raises(RuntimeError, match="is broken: an earlier flush"):
             store.put(2, *data[2])
-        assert writer.staging._free.qsize() < len(writer.staging._all)  # the stuck request keeps its buffer
+        free, places = free_places(writer.staging)
+        assert free < places  # the stuck request keeps its buffer
         start = time.monotonic()
         with caplog.at_level(logging.ERROR, logger="offload_core.tiers.file.tier"):
             store.close()
@@ -188,7 +189,7 @@ def test_a_read_that_timed_out_never_lands_in_the_slot_the_next_read_serves(mode
     data = layers(3)
     store = file_store(mode, tmp_path, data, put=range(3))
     store.flush()
-    tier = store._tiers["file"]
+    tier = file_tier(store)
     entries, nbytes = tier._files, tier._files[1].layout.data_bytes
     slot = tier.new_slot(nbytes, tier._ctx.streams)
     tier._reader.load(entries[1], slot, DONE).wait(None)

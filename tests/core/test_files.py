@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from offload_core import KVFileError, KVStore, OffloadConfig
 
+from filestores import file_tier, free_places
+from offload_core.tiers.file import iopool
 from store_helpers import make_layers, put_all
 
 MiB = 1 << 20
@@ -107,7 +109,7 @@ def test_write_staging_is_freed_once_the_reads_begin(mode, tmp_path, wait_until)
     # During the cached steps only read staging is needed; the write buffers would hold host RAM for nothing.
     # They are freed in the background (on the write lane), so the first read does not wait for it.
     store, layers = filled_store(mode, tmp_path, n=4)
-    writer = store._tiers["file"]._writer
+    writer = file_tier(store)._writer
     assert writer.staging.buffers()
     store.flush()
     assert writer.staging.buffers()  # a flush only waits; a caller may go on putting
@@ -133,14 +135,14 @@ def test_a_put_holds_a_few_chunks_of_staging_whatever_the_layer_size(mode, tmp_p
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
     for i, (k, v) in enumerate(layers):
         store.put(i, k, v)
-        writer = store._tiers["file"]._writer
-        ring = writer._chunks.workers + 2
+        writer = file_tier(store)._writer
+        ring = iopool.IO_DEPTH + 2
         held = writer.staging.buffers()
         assert 0 < len(held) <= ring and all(b.nbytes == 64 << 10 for b in held)
     store.flush()
     # Every buffer is back once the writes are: a request gives its buffer back before its future completes, so
     # what waited for the writes (flush, park, the registry's accounting) never sees one still held.
-    assert writer.staging._free.qsize() == len(writer.staging._all) == ring
+    assert free_places(writer.staging) == (ring, ring)
     for i, (k, v) in enumerate(layers):
         got_k, got_v = store.get(i)
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
@@ -157,7 +159,7 @@ def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
     store = KVStore(OffloadConfig(mode=mode, file_dir=str(tmp_path)), "cpu")
     k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
     store.put(0, k, v)
-    tier, gate = store._tiers["file"], threading.Event()
+    tier, gate = file_tier(store), threading.Event()
     tier._lanes["write"].submit(lambda: gate.wait(10), "a held write lane")
     store.put(1, k * 2, v * 2)
     assert not tier._files[1].written and not tier._files[1].write.done()

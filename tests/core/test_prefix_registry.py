@@ -13,6 +13,7 @@ from offload_core import KVStore, OffloadConfig
 from offload_core.reuse import prefix, budget as reusebudget
 from offload_core.reuse.registry import PrefixRegistry
 from offload_core.reuse.budget import parse_budget
+from filestores import file_tier
 from registry_stores import LAYERS, TIERS, files, filled_store, key
 
 
@@ -198,7 +199,7 @@ def test_parked_file_store_served_request_after_request_holds_no_more_host_slots
     # On a CPU the file tier makes the ring's page-aligned slots and keeps them until close (a stuck read may
     # still fill one); a park that dropped them and made new ones per request would grow host RAM per hit.
     store, layers = filled_store("file_async", tmp_path)
-    slots = store._tiers["file"]._host_slots
+    slots = file_tier(store)._host_slots
     made = len(slots)
     for _ in range(3):  # three later requests served from the parked store
         store.park()
@@ -218,7 +219,7 @@ def test_admission_waits_for_the_file_writes_and_counts_what_is_on_disk(mode, tm
     store.put(0, *layer[0])
     store.flush()
     first = store.stats()["bytes"]["file"]
-    tier, gate = store._tiers["file"], threading.Event()
+    tier, gate = file_tier(store), threading.Event()
     hold = tier._lanes["write"].submit(lambda: gate.wait(10), "a held write lane")  # no later layer finishes yet
     for i in range(1, LAYERS):
         store.put(i, *layer[i])

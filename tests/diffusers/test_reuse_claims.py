@@ -7,9 +7,6 @@
   with the seed or the step count; they do change with the prompt, the references and the output size.
 """
 
-import pytest
-import torch
-
 from offload_core.bench import models
 
 from reuse_helpers import UpstreamKV, same_kv
