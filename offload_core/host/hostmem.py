@@ -148,12 +148,10 @@ def _cuda_register(tensor: torch.Tensor) -> bool:
 
 
 def _clear_cuda_error() -> None:
-    """Resets the thread's CUDA error from a refused registration, which the next launch check would report."""
-    clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
-    if clear is not None:
-        clear()
-        return
+    """Resets the thread's CUDA error from a refused registration, which the next launch check would report
+    (torch's `cudart()` binds no `cudaGetLastError`)."""
     import ctypes
+
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             ctypes.CDLL(name).cudaGetLastError()
