@@ -66,7 +66,7 @@ def interrupting(real, n, after):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="looks for open descriptors in /proc")
 @pytest.mark.parametrize("where", ["waiting for a staging buffer", "just after taking a staging buffer",
-                                   "copying a chunk", "just after queueing a chunk"])
+                                   "copying a chunk", "just after queueing a chunk", "just after queueing the finish"])
 @pytest.mark.parametrize("mode", MODES)
 def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, monkeypatch, wait_until):
     # A put copies a layer chunk by chunk through a ring of staging buffers, queueing each chunk's write as soon
@@ -77,7 +77,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
     monkeypatch.setattr(fileio, "CHUNK", 512 << 10)
     monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 5.0)  # a staging buffer never given back fails fast
     data = layers(3, shape=(1, 2, 2048, 128))  # 4 MiB a layer: eight chunks, more than the ring's buffers
-    for at in range(8):
+    for at in range(1 if where.endswith("the finish") else 8):  # a put queues one finish, after its eight chunks
         store = file_store(mode, tmp_path, data, put=[0])
         tier = file_tier(store)
         # The call to interrupt, and whether the interrupt comes as it returns. The ring is smaller than a
@@ -87,6 +87,7 @@ def test_ctrl_c_at_every_chunk_of_a_put_loses_nothing(mode, where, tmp_path, mon
             "just after taking a staging buffer": (tier._writer.staging, "acquire", True),
             "copying a chunk": (filewrite, "copy_range", False),
             "just after queueing a chunk": (tier._chunks, "submit", True),
+            "just after queueing the finish": (tier._lanes["write"], "submit", True),
         }[where]
         monkeypatch.setattr(owner, name, interrupting(getattr(owner, name), at + 1, after))
         with pytest.raises(KeyboardInterrupt):

@@ -51,36 +51,12 @@ class LayerFile:
 
 @dataclass
 class _Write:
-    """One layer file being written. Whoever claims it first cleans it up (its finish, or the interrupt or
-    cancellation that stopped it before that), never both: a descriptor closed twice may be another file's."""
+    """One layer file being written. Its finish cleans it up, or, if the finish never runs (never queued, or
+    cancelled), `Writer._drop_write` does: exactly one of them, as a descriptor closed twice may be another file's."""
     tmp: str
     file: Optional[Handle] = None  # open from its reserve until its finish or cleanup closes it
     chunks: List[cf.Future] = field(default_factory=list)
     lane: List[cf.Future] = field(default_factory=list)  # the finish, queued on the write lane
-    counted: bool = False  # among the writer's layers being written (`Writer._count`)
-    _claimed: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def claim(self) -> bool:
-        with self._lock:
-            first, self._claimed = not self._claimed, True
-        return first
-
-
-class _Lease:
-    """One chunk's staging buffer, given back exactly once: by its request when done with it (so a wait for the
-    chunk finds the buffer back), else through its future if the request never ran (cancelled, a pool shut down).
-    A request stuck in the kernel never gives it back, so nothing reuses memory the kernel may still read."""
-    __slots__ = ("item", "_pool", "_lock")
-
-    def __init__(self, pool: StagingPool, item: list):
-        self.item, self._pool, self._lock = item, pool, threading.Lock()
-
-    def give_back(self, *_future) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.release(self.item, self.item[1])  # with the copy's fence: the next user waits for it
 
 
 def layer_chunk(data_bytes: int, request: int) -> int:
@@ -126,14 +102,15 @@ class Writer:
         entry = LayerFile(path, layer_header(key, layout, [0] * len(pieces), chunk), layout, chunk)
         job = _Write(f"{entry.path}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            self._count(job, True)
+            self._count(1)
             job.file = reserve(job.tmp, entry.extents, self.cache_mode)  # a full disk fails here, before any write
             self._queue_writes(job, entry, k, v, pieces)
             self._lane.submit(functools.partial(self._finish_write, key, entry, job), f"the write of {entry.path}",
                               into=job.lane, done=functools.partial(self._cancelled_write, job))
-        except BaseException:
-            # Stopped before its finish took over: dropped once its chunk writes end. A running finish cleans up.
-            if not job.lane or job.lane[0].cancel():
+        except BaseException:  # stopped before its finish took over: dropped once its chunk writes end
+            if job.lane:
+                job.lane[0].cancel()  # if it never ran, `_cancelled_write` drops the write; a running one cleans up
+            else:
                 self._drop_write(job)
             raise
         entry.write = job.lane[0]
@@ -145,47 +122,46 @@ class Writer:
         streams, base = self._ctx.streams, len(entry.header)
         size = pieces[0][1] if pieces else 0
 
-        def write_chunk(lease: _Lease, offset: int, n: int) -> int:
+        def write_chunk(item: list, offset: int, n: int) -> int:
             try:
-                lease.item[1].synchronize()  # the copy into the buffer has finished
-                view = lease.item[0].memory()[:n]
+                item[1].synchronize()  # the copy into the buffer has finished
+                view = item[0].memory()[:n]
                 pwrite_all(job.file, view, offset, job.tmp, entry.total)
                 return digest(view)
-            finally:
-                lease.give_back()  # before the future completes: whoever waited for the chunk finds its buffer back
+            finally:  # before the future completes: a wait for the chunk finds its buffer back (never if stuck)
+                self.staging.release(item, item[1])
+
+        def never_ran(item: list, future: cf.Future) -> None:
+            if future.cancelled():  # cancelled (close, a failed chunk): its buffer is still to give back
+                self.staging.release(item, item[1])
 
         for off, n in pieces:
             queued, held = len(job.chunks), []
             try:
                 self.staging.acquire(size, into=held)
-                lease = _Lease(self.staging, held[0])
-                buffer = lease.item[0]
+                buffer = held[0][0]
                 with streams.timed("transfer"):
                     streams.copy_with(functools.partial(copy_range, buffer.tensor, entry.layout, k, v, off, off + n,
                                                         non_blocking=buffer.pinned), buffer.tensor, k, v,
                                       non_blocking=buffer.pinned)
-                lease.item[1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
-                self._chunks.submit(functools.partial(write_chunk, lease, base + off, n), f"the write of {entry.path}",
-                                    into=job.chunks, done=lease.give_back)
+                held[0][1] = streams.record()  # the staging pool waits for this copy before the buffer's next use
+                item = held[0]
+                self._chunks.submit(functools.partial(write_chunk, item, base + off, n), f"the write of {entry.path}",
+                                    into=job.chunks, done=functools.partial(never_ran, item))
             except BaseException:
                 if held and len(job.chunks) == queued:  # not handed to a request: still ours to give back
                     self.staging.release(held[0], held[0][1])
                 raise
 
     def _cancelled_write(self, job: "_Write", future: cf.Future) -> None:
-        if future.cancelled():  # by close(): the finish never ran, so its cleanup happens here
+        if future.cancelled():  # by close() or by `write`'s own failure: the finish never ran, so its cleanup is here
             self._drop_write(job)
 
-    def _count(self, job: "_Write", writing: bool) -> None:
-        """Counts `job` among the layers being written, or no more; once each way in any order: a Ctrl-C before
-        the count must not let the cleanup's uncount leave it at -1, where the staging would never be freed."""
+    def _count(self, n: int) -> None:
         with self._count_lock:
-            if job.counted != writing:  # the mark and the count change in one line: Ctrl-C comes between lines
-                job.counted, self._writing = writing, self._writing + (1 if writing else -1)
+            self._writing += n
 
     def _finish_write(self, key, entry: LayerFile, job: "_Write") -> None:
-        if not job.claim():
-            return  # an interrupt in `write` got there first and cleans up
         fd_open, head = True, None
         try:
             digests = wait_all(job.chunks, f"the write of {entry.path}")
@@ -212,13 +188,12 @@ class Writer:
         finally:
             if head is not None:
                 head.release()
-            self._count(job, False)  # last: a load that sees 0 may free the staging
+            self._count(-1)  # last: a load that sees 0 may free the staging
 
     def _drop_write(self, job: "_Write") -> None:
-        """Cleanup of a write whose finish never ran: once none of its chunk requests runs any more."""
-        if job.claim():
-            self._count(job, False)
-            when_done(job.chunks, functools.partial(self._release_write, job))
+        """Cleanup of a write whose finish never runs: once none of its chunk requests runs any more."""
+        self._count(-1)
+        when_done(job.chunks, functools.partial(self._release_write, job))
 
     def _release_write(self, job: "_Write") -> None:
         f, job.file = job.file, None
