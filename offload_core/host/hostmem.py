@@ -25,10 +25,6 @@ HUGE_PAGES = _MADV_HUGEPAGE is not None and hasattr(mmap, "MAP_PRIVATE")
 _PRIVATE = {"flags": mmap.MAP_PRIVATE} if hasattr(mmap, "MAP_PRIVATE") else {}
 
 
-def round_up(n: int, align: int = 4096) -> int:
-    return (n + align - 1) // align * align
-
-
 class HostBuffer:
     """One page-aligned host allocation. `tensor` is a flat uint8 view; owned by the allocator that made it.
 
@@ -40,7 +36,7 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, huge: bool = True):
         self.nbytes = nbytes
-        length = max(round_up(nbytes, PAGE), PAGE)
+        length = max(-(-nbytes // PAGE) * PAGE, PAGE)  # whole pages
         huge = huge and HUGE_PAGES and length >= HUGE_PAGE
         self._map = mmap.mmap(-1, length + (HUGE_PAGE if huge else 0), **_PRIVATE)
         # The tensor's storage keeps this memoryview, so `release` cannot unmap memory a live view still uses.

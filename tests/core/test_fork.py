@@ -196,7 +196,7 @@ def test_a_child_makes_its_own_store_beside_the_parents_and_reclaims_nothing_liv
 def test_a_child_that_outlives_its_parent_does_not_keep_the_parents_directory(parent_store, tmp_path):
     # The child closes its copies of the lock descriptors at the fork: were it to keep them, the directory of a
     # parent killed meanwhile would look alive for as long as the child runs, and never be reclaimed.
-    from offload_core.tiers.file import fileowner
+    from offload_core.tiers.file import fileos, fileowner
 
     store, _, _ = parent_store
     owned = [d for d in list(fileowner._OPEN) if d.path.startswith(str(tmp_path))]
@@ -206,7 +206,7 @@ def test_a_child_that_outlives_its_parent_does_not_keep_the_parents_directory(pa
         assert all(d._fd is None for d in owned)  # the child's copies are closed...
         fd = os.open(os.path.join(owned[0].path, fileowner.LOCK_NAME), os.O_RDWR)
         try:
-            assert not fileowner._try_lock(fd)  # ...and the parent still holds its lock
+            assert not fileos.current().try_lock(fd)  # ...and the parent still holds its lock
         finally:
             os.close(fd)
     assert in_child(action) == 0

@@ -195,11 +195,3 @@ def corrupted(path: str, offset: int, length: int) -> KVFileError:
     return KVFileError(f"KV layer file {path!r} is corrupted: the {CHECKSUM} checksum of bytes {offset}-"
                        f"{offset + length} differs from what this store wrote. It was modified while in use, or the "
                        "disk returned bad data.")
-
-
-def header_matches(got: memoryview, header: bytes) -> Optional[int]:
-    """None if `got` equals `header`, else the first differing byte offset."""
-    got = bytes(got)
-    if got == header:
-        return None
-    return next((i for i, (a, b) in enumerate(zip(got, header)) if a != b), len(header))

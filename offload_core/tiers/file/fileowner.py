@@ -72,11 +72,6 @@ def remove_owned(path: str, unlock: Callable[[], None]) -> List[Tuple[str, str]]
     return problems
 
 
-def _try_lock(fd: int) -> bool:
-    """False when held by a live owner; or when locks do not work here, so nobody can tell: leave it."""
-    return fileos.current().try_lock(fd)
-
-
 def reclaim(parent: str, prefix: str) -> List[str]:
     """Deletes the directories `prefix*` in `parent` whose owner is gone; returns the ones deleted."""
     fs = fileos.current()
@@ -109,8 +104,8 @@ def reclaim(parent: str, prefix: str) -> List[str]:
                 fs.unlock_and_close(held.pop())
 
         try:
-            if not _try_lock(held[0]):
-                continue  # its owner is alive
+            if not fs.try_lock(held[0]):
+                continue  # its owner is alive, or locks do not work here (nobody can tell): leave it
             # We hold the dead owner's lock while deleting, so a second reclaimer skips this directory.
             _delete_logged(path, "a cache directory whose owner is gone", lambda p: remove_owned(p, unlock))
             reclaimed.append(path)

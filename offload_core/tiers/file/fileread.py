@@ -18,7 +18,7 @@ from ...host.devices import DONE, Fence
 from ...host.hostmem import HostBuffer
 from ...layout import check_fits
 from ..base import Pending, TierContext
-from .fileio import KVFileError, chunks, corrupted, digest, drop_pages, header_matches, open_checked, pread_exact
+from .fileio import KVFileError, chunks, corrupted, digest, drop_pages, open_checked, pread_exact
 from .filewrite import LayerFile
 from .iopool import IOPool, IOStuckError, io_timeout, wait_all, when_done
 from .staging import StagingPool
@@ -74,9 +74,7 @@ class Reader:
         check_fits(slot.numel(), entry.layout, 0)  # before any read: a memoryview slice would come out shorter
         direct = slot if self._host_slot(slot) else None
         if not self._lanes:
-            # A Ctrl-C that lands on the cleanup line below keeps the last read from ending: it ends here.
-            self._end(self._read)
-            read = self._read = _Read()
+            read = self._read = _Read()  # a read whose end a Ctrl-C stopped is ended by close()
             try:
                 self._start_read(entry, direct, read)
                 read.fence = self._finish_read(entry, slot, release, read)
@@ -149,10 +147,9 @@ class Reader:
             if off == base:  # the header comes with the first chunk: one request fewer per layer
                 head = mem[:base]
                 pread_exact(fd, view, 0, entry.path, head=head)
-                bad = header_matches(head, entry.header)
-                if bad is not None:
+                if head != entry.header:
                     raise KVFileError(f"KV layer file {entry.path!r} is corrupted: its header differs from what this "
-                                      f"store wrote (first at byte {bad}). It was modified while in use.")
+                                      "store wrote. It was modified while in use.")
             else:
                 pread_exact(fd, view, off, entry.path)
             if expected is not None and digest(view) != expected:
