@@ -6,7 +6,7 @@ import torch
 
 from offload_core import KVStore, OffloadConfig
 
-from store_helpers import make_layers
+from store_helpers import make_layers, tiers
 
 MODES = ["file_sync", "file_async"]
 
@@ -37,7 +37,7 @@ def open_files(name):
 
 def file_tier(store):
     """The store's file tier: the one place the white-box file suites reach into a store for it."""
-    return store._tiers["file"]
+    return tiers(store)["file"]
 
 
 def free_places(pool):

@@ -36,3 +36,8 @@ def config_for(name, tmp_path):
     if Mode(fields["mode"]).is_file or "host_budget" in fields:
         fields["file_dir"] = str(tmp_path)
     return OffloadConfig(**fields)
+
+
+def tiers(store):
+    """The store's open tiers by place: the one place the white-box suites reach into a store for them."""
+    return store._tiers

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from offload_core.layout import _runs, copy_in, copy_range, layout_for, stacked
+from store_helpers import tiers
 
 SHAPES = [
     ("contiguous", lambda t: t),
@@ -116,7 +117,7 @@ def test_a_tier_refuses_to_load_into_a_slot_too_small(mode, tmp_path):
     fields = {"file_dir": str(tmp_path)} if mode.startswith("file") else {}
     with KVStore(OffloadConfig(mode=mode, **fields), "cpu") as store:
         store.put(0, k, v)
-        tier = next(iter(store._tiers.values()))
+        tier = next(iter(tiers(store).values()))
         with pytest.raises(ValueError, match="does not fit"):
             tier.load(0, torch.zeros(4096, dtype=torch.uint8), store._res.ring.slots[0].release)
         assert torch.equal(store.get(0)[0], k)  # the store serves on as before

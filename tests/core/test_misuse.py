@@ -12,7 +12,7 @@ from offload_core import HostServices, KVStore, OffloadConfig
 from offload_core.tiers import Pending
 from offload_core.tiers.file import fileread as file_tier
 
-from store_helpers import TIERS, config_for, make_layers, put_all
+from store_helpers import TIERS, config_for, make_layers, put_all, tiers
 
 
 def run_in_thread(fn):
@@ -62,7 +62,7 @@ def test_close_from_another_thread_waits_for_the_get_in_progress():
     store = KVStore(OffloadConfig(mode="ram_sync"), "cpu")
     put_all(store, layers)
     inside, go_on = threading.Event(), threading.Event()
-    tier = store._tiers["host_pageable"]  # ram_sync keeps every layer in pageable RAM
+    tier = tiers(store)["host_pageable"]  # ram_sync keeps every layer in pageable RAM
     load = tier.load
 
     def slow_load(*args):  # the consumer is in the middle of a get

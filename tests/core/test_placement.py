@@ -9,7 +9,7 @@ from offload_core.places import GiB
 from offload_core.store.plan import RESERVE_BYTES
 from offload_core.tiers.file import fileio, iopool
 
-from store_helpers import make_layers, put_all
+from store_helpers import make_layers, put_all, tiers
 
 SHAPE = (1, 2, 64, 32)  # bf16: K and V 8 KiB each, so a layer is exactly 16 KiB in the flat layout
 LAYER = 16384
@@ -180,17 +180,17 @@ def test_a_failing_tier_close_still_closes_the_other_places(tmp_path):
     config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
     store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
     put_all(store, make_layers(range(4), shape=SHAPE))
-    assert set(store._tiers) == {"device", "host_pageable", "file"} and len(list(tmp_path.iterdir())) == 1
+    assert set(tiers(store)) == {"device", "host_pageable", "file"} and len(list(tmp_path.iterdir())) == 1
 
     def broken():
         raise KeyboardInterrupt  # e.g. Ctrl-C while one place closes
 
-    store._tiers["host_pageable"].close = broken
+    tiers(store)["host_pageable"].close = broken
     with pytest.raises(KeyboardInterrupt):
         store.close()
     assert list(tmp_path.iterdir()) == []  # the file place was closed anyway
-    assert store._tiers["device"].nbytes() == {"device": 0} and store.closed
-    del store._tiers["host_pageable"].close  # a close that works again: the next call finishes
+    assert tiers(store)["device"].nbytes() == {"device": 0} and store.closed
+    del tiers(store)["host_pageable"].close  # a close that works again: the next call finishes
     store.close()
 
 
@@ -202,7 +202,7 @@ def test_a_store_whose_close_did_not_finish_is_closed_again_when_dropped_and_log
     config = OffloadConfig(mode="ram_sync", device_budget=LAYER, host_budget=LAYER, file_dir=str(tmp_path))
     store = KVStore(config, "cpu", expected_bytes=4 * LAYER)
     put_all(store, make_layers(range(4), shape=SHAPE))
-    tier, calls = store._tiers["host_pageable"], []
+    tier, calls = tiers(store)["host_pageable"], []
 
     def broken():
         calls.append(1)
@@ -232,13 +232,13 @@ def test_when_two_places_fail_to_close_the_first_is_raised_and_the_other_logged(
             raise OSError(why)
         return close
 
-    store._tiers["device"].close = broken("the first place")
-    store._tiers["host_pageable"].close = broken("the second place")
+    tiers(store)["device"].close = broken("the first place")
+    tiers(store)["host_pageable"].close = broken("the second place")
     with caplog.at_level(logging.WARNING), pytest.raises(OSError, match="the first place"):
         store.close()
     assert any("closing another place failed too: OSError: the second place" in r.getMessage()
                for r in caplog.records)
     assert list(tmp_path.iterdir()) == []
     for place in ("device", "host_pageable"):
-        del store._tiers[place].close
+        del tiers(store)[place].close
     store.close()

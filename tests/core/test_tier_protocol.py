@@ -8,6 +8,7 @@ from offload_core.host.devices import DONE
 from offload_core.layout import views
 from offload_core.places import DEVICE, FILE, PAGEABLE
 from offload_core.tiers import Tier
+from store_helpers import tiers
 
 
 def test_a_tier_must_implement_the_whole_protocol():
@@ -30,7 +31,7 @@ def test_every_tier_loads_a_layer_into_a_slot_it_made(mode, place, tmp_path):
     with KVStore(config, "cpu") as store:
         store.put(0, k, v)
         store.flush()
-        tier, layout = store._tiers[place], store._layers.kept[0]
+        tier, layout = tiers(store)[place], store._layers.kept[0]
         assert isinstance(tier, Tier)
         slot = tier.new_slot(layout.data_bytes, store._res.streams)
         tier.load(0, slot, DONE).wait(store._res.streams.consumer())
