@@ -1,6 +1,7 @@
 """Reading layer files for the file tiers: checked opens, chunked reads, every chunk's checksum verified.
 
-The I/O threads read a CPU consumer's page-aligned slot in place; any other slot gets the read staging, then one copy.
+The I/O threads fill a page-aligned slot this tier made (a CPU consumer's) in place; any other slot gets the read
+staging, then one copy.
 `file_async` starts and finishes reads on two one-thread lanes (first in first out, so copies into one slot stay in
 order, and the next layer's chunks queue while this one's complete); `file_sync` runs both inline."""
 
@@ -64,15 +65,12 @@ class Reader:
         """True while a request of a read may still write into the host slot at `address`."""
         return not all(f.done() for f in self.filling.get(address, ()))
 
-    def _host_slot(self, slot: torch.Tensor) -> bool:
-        """True where the I/O threads may fill `slot` directly: CPU memory, no lagging stream work (no CUDA model)."""
-        return slot.device.type == "cpu" and self._ctx.streams.immediate
-
     def load(self, entry: LayerFile, slot: torch.Tensor, release: Fence) -> Pending:
-        """Reads `entry` into `slot`; the I/O threads fill a host slot as chunks arrive (on a CPU a copy after the
-        read costs as much as the read), a device slot gets one copy on the side stream after `release`."""
+        """Reads `entry` into `slot`; the I/O threads fill a host slot this tier made as chunks arrive (on a CPU a
+        copy after the read costs as much as the read), any other slot gets one copy on the side stream after
+        `release`."""
         check_fits(slot.numel(), entry.layout, 0)  # before any read: a memoryview slice would come out shorter
-        direct = slot if self._host_slot(slot) else None
+        direct = self._host_slots.get(slot.data_ptr())  # a slot this tier made: the I/O threads fill it in place
         if not self._lanes:
             read = self._read = _Read()  # a read whose end a Ctrl-C stopped is ended by close()
             try:
@@ -111,17 +109,17 @@ class Reader:
         if read.let_go():
             self._end(read)
 
-    def _start_read(self, entry: LayerFile, direct: Optional[torch.Tensor], read: _Read) -> None:
-        """Checks the file and queues its chunk reads (which also fill `direct`, a host slot, if given), taking
+    def _start_read(self, entry: LayerFile, direct: Optional[HostBuffer], read: _Read) -> None:
+        """Checks the file and queues its chunk reads (which also fill `direct`, a slot this tier made), taking
         the staging place, the descriptor and the requests into `read`."""
         if direct is not None:
             # The last read into the slot may have left requests running; theirs must not land over ours. `wait`
             # raises none of their errors, only this thread's Ctrl-C (`file_sync`), and nothing is taken yet.
-            earlier = self.filling.get(direct.data_ptr(), ())
+            earlier = self.filling.get(direct.tensor.data_ptr(), ())
             if not all(f.done() for f in earlier) and cf.wait(earlier, timeout=io_timeout()).not_done:
                 raise TimeoutError(f"KV offload: reading {entry.path!r} waited {io_timeout():g} s for an earlier "
                                    "read into the same buffer; the disk is not answering.")
-            self.filling[direct.data_ptr()] = read.requests  # before the first is queued
+            self.filling[direct.tensor.data_ptr()] = read.requests  # before the first is queued
         if entry.write is not None:
             try:
                 entry.write.result(timeout=io_timeout())
@@ -135,12 +133,10 @@ class Reader:
             except BaseException as exc:
                 raise KVFileError(f"KV layer file {entry.path!r} was never written ({exc}).") from exc
         base = len(entry.header)
-        target = self._host_slots.get(direct.data_ptr()) if direct is not None else None
-        self.staging.acquire(base if target is not None else entry.total, into=read.held)  # the slot takes the data
-        item = read.held[0]
+        self.staging.acquire(base if direct is not None else entry.total, into=read.held)  # the slot takes the data
         read.fd = fd = open_checked(entry.path, entry.total, self.cache_mode)
-        mem = item[0].memory()
-        into = target.memory() if target is not None else None
+        mem = read.held[0][0].memory()
+        into = direct.memory() if direct is not None else None
 
         def read_chunk(off: int, n: int, expected: Optional[int]) -> None:
             view = into[off - base:off - base + n] if into is not None else mem[off:off + n]
@@ -154,9 +150,6 @@ class Reader:
                 pread_exact(fd, view, off, entry.path)
             if expected is not None and digest(view) != expected:
                 raise corrupted(entry.path, off, n)
-            if direct is not None and into is None:
-                with self._ctx.streams.timed("transfer"):
-                    direct[off - base:off - base + n].copy_(item[0].tensor[off:off + n])
 
         pieces = chunks(0, entry.layout.data_bytes, entry.chunk)  # none for an empty layer: its header is still read
         jobs = [(base + off, n, d) for (off, n), d in zip(pieces, entry.digests)] or [(base, 0, None)]
@@ -167,7 +160,8 @@ class Reader:
             time.sleep(0)
 
     def _finish_read(self, entry: LayerFile, slot: torch.Tensor, release: Fence, read: _Read) -> Fence:
-        """Waits for `read`'s requests and, into a device slot, copies the layer there; the fence of that copy."""
+        """Waits for `read`'s requests and, into a slot this tier did not make, copies the layer there; the fence of
+        that copy."""
         try:
             wait_all(read.requests, f"the read of {entry.path}")
         except IOStuckError:
@@ -177,7 +171,7 @@ class Reader:
             raise
         if self.cache_mode == "fadvise":
             drop_pages(read.fd)
-        if self._host_slot(slot):
+        if slot.data_ptr() in self._host_slots:
             return DONE  # the I/O threads filled the slot chunk by chunk
         streams = self._ctx.streams
         side = streams.side
