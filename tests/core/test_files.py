@@ -150,6 +150,26 @@ def test_a_put_holds_a_few_chunks_of_staging_whatever_the_layer_size(mode, tmp_p
 
 
 @pytest.mark.parametrize("mode", ["file_sync", "file_async"])
+def test_a_slot_the_tier_did_not_make_gets_the_layer_through_staging(mode, tmp_path):
+    # A host slot made elsewhere (a RAM tier's, before the store spilled to files) is no page-aligned buffer the
+    # I/O threads may fill: the layer is read into staging, then copied into it once, and nothing past it changes.
+    from offload_core.host.devices import DONE
+
+    store, _ = filled_store(mode, tmp_path)
+    store.flush()
+    tier = file_tier(store)
+    entry = tier._files[1]
+    slot = torch.full((entry.layout.data_bytes + 100,), 7, dtype=torch.uint8)
+    pending = tier.load(1, slot, DONE)
+    pending.wait(None)  # raises what the read raised
+    pending.settle()  # the copy has run, on the side stream too (the CUDA model)
+    with open(entry.path, "rb") as f:
+        data = f.read()[len(entry.header):]
+    assert bytes(slot[:len(data)].numpy()) == data and bool((slot[len(data):] == 7).all())
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["file_sync", "file_async"])
 def test_a_put_returns_before_its_file_is_finished(mode, tmp_path):
     # The write lane finishes each file (header, rename) once its chunks are on disk; the put does not wait for
     # it, so the next layer's chunks queue behind this one's and the disk never idles between layers. A get of
