@@ -246,3 +246,47 @@ def test_closing_after_an_interrupt_leaves_no_file(tmp_path):
     store.close()
     store.close()
     assert files_in(tmp_path) == [] and store.stats()["device_bytes"] == 0
+
+
+def test_close_wakes_a_prefix_read_waiting_on_appends_it_cancels(tmp_path, monkeypatch, caplog, wait_until):
+    # A prefix read waits on the read lane for its layer's appends. Close cancels the appends still queued on the
+    # write lane; the read must see that at once, not wait out its bound and leave close reporting stuck I/O.
+    import concurrent.futures
+    import sys
+    import threading
+
+    from offload_core.host.devices import DONE
+    from offload_core.tiers.file import iopool
+
+    monkeypatch.setattr(iopool, "IO_TIMEOUT_S", 30.0)
+    shape = shape_of()
+    store = GrowingKVStore(OffloadConfig(mode="file_async", file_dir=str(tmp_path)), "cpu", shape=shape, layers=LAYERS)
+    at = run_video(store, reference(shape), blocks=BLOCKS[:2])
+    tier = store._res.tier("file")
+    gate = threading.Event()
+    tier._lanes["write"].submit(lambda: gate.wait(60), "a held write lane")
+    k, v = store.view(0)
+    store.commit(0, at, at + 1)  # its append queues behind the held lane
+    appended = tier._grow._queued[-1]
+    prefix = [torch.empty(shape.pair, dtype=shape.dtype)[:, :at + 1] for _ in range(2)]  # its blocks, whole
+    pending = tier.load_prefix(0, *prefix, DONE)
+
+    def read_waits() -> bool:
+        for thread in threading.enumerate():
+            frame = sys._current_frames().get(thread.ident) if thread.name.startswith("kv_offload_read") else None
+            while frame is not None and frame.f_code.co_name != "wait_all":
+                frame = frame.f_back
+            if frame is not None:
+                return True
+        return False
+
+    wait_until(read_waits)
+    opener = threading.Thread(target=lambda: (wait_until(appended.cancelled, 60), gate.set()))
+    opener.start()
+    with caplog.at_level("WARNING"):
+        store.close()
+    opener.join(60)
+    assert appended.cancelled() and "stuck" not in caplog.text and files_in(tmp_path) == []
+    with pytest.raises(KVFileError, match="never written whole") as failed:
+        pending.wait(None)
+    assert isinstance(failed.value.__cause__, concurrent.futures.CancelledError)  # not its bound running out

@@ -72,6 +72,26 @@ def test_wait_all_names_the_requests_still_running_when_its_bound_passes(pools):
         release.set()
 
 
+def test_a_shutdown_wakes_whoever_waits_on_a_job_it_cancels(pools):
+    # A read waiting on a write of another pool (a growing layer's prefix waits for its appends) must see that
+    # write cancelled when close shuts that pool down, not wait out its bound: `concurrent.futures.wait` wakes on
+    # a cancelled job only once it is marked so, as a worker marks the cancelled jobs it takes from its queue.
+    import concurrent.futures as cf
+
+    writes, release = pools(1, "test_write"), threading.Event()
+    writes.submit(lambda: release.wait(30), "the running append")
+    queued = writes.submit(lambda: "never", "the queued append")
+    woke = threading.Event()
+    waiter = threading.Thread(target=lambda: (cf.wait([queued], timeout=60), woke.set()))
+    waiter.start()
+    try:
+        writes.shutdown(0.0)
+        assert woke.wait(30) and queued.cancelled()
+    finally:
+        release.set()
+        waiter.join(60)
+
+
 def _threads_named(prefix):
     return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
 
