@@ -112,8 +112,10 @@ class IOPool:
         while self._taken:
             item = self._taken[0]
             if item is not None and item[0].cancel():
-                # What a worker does with a cancelled job: `concurrent.futures.wait` on it wakes only then.
-                item[0].set_running_or_notify_cancel()
+                try:  # what a worker does with a cancelled job: `concurrent.futures.wait` on it wakes only then
+                    item[0].set_running_or_notify_cancel()
+                except RuntimeError:
+                    pass  # marked already, by a call that Ctrl-C stopped before it let go of the job
             del self._taken[0]
         for _ in self._threads:  # one each, started or not (one whose start was interrupted may run yet)
             self._jobs.put(None)
