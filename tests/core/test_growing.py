@@ -265,7 +265,7 @@ def test_close_wakes_a_prefix_read_waiting_on_appends_it_cancels(tmp_path, monke
     tier = store._res.tier("file")
     gate = threading.Event()
     tier._lanes["write"].submit(lambda: gate.wait(60), "a held write lane")
-    k, v = store.view(0)
+    store.view(0)
     store.commit(0, at, at + 1)  # its append queues behind the held lane
     appended = tier._grow._queued[-1]
     prefix = [torch.empty(shape.pair, dtype=shape.dtype)[:, :at + 1] for _ in range(2)]  # its blocks, whole
